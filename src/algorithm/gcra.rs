@@ -1,0 +1,111 @@
+//! GCRA, the generic cell rate algorithm: the token bucket's envelope kept as one timestamp,
+//! the theoretical arrival time (TAT) of the next request if the key sent exactly at its rate.
+//!
+//! Each permit moves the TAT forward by the emission interval `T = period / limit` (rounded up
+//! to a whole microsecond, so never faster than configured). A request is admitted when the new
+//! TAT lies at most `burst × T` ahead of now.
+//!
+//! Promise: never more than `burst + t / T` permits in any interval of length `t`.
+
+use super::{never, us};
+use crate::{Decision, Quota};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Gcra {
+    /// The theoretical arrival time (µs); in the past means a full burst is available.
+    pub(crate) tat: u64,
+}
+
+impl Gcra {
+    pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
+        let t = quota.emission_us();
+        let burst = quota.burst();
+        let horizon = burst * t;
+        let tat = self.tat.max(now);
+        let ahead = tat - now;
+        let remaining = horizon.saturating_sub(ahead) / t;
+        if cost > burst {
+            return never(burst, remaining, ahead);
+        }
+        let new_ahead = ahead + cost * t;
+        if new_ahead <= horizon {
+            Decision::admit(burst, (horizon - new_ahead) / t, us(new_ahead))
+        } else {
+            Decision::deny(burst, remaining, us(ahead), Some(us(new_ahead - horizon)))
+        }
+    }
+
+    pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) {
+        self.tat = self.tat.max(now) + cost * quota.emission_us();
+    }
+
+    pub(crate) fn refund(&mut self, now: u64, quota: &Quota, cost: u64) {
+        self.tat = self
+            .tat
+            .saturating_sub(cost * quota.emission_us())
+            .max(now);
+    }
+
+    pub(crate) fn expires_at(&self) -> u64 {
+        self.tat
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use crate::Algorithm;
+    use proptest::prelude::*;
+
+    fn quota(limit: u64, period_ms: u64, burst: u64) -> crate::Quota {
+        quota_of(Algorithm::Gcra, limit, period_ms, Some(burst))
+    }
+
+    #[test]
+    fn burst_then_one_per_interval() {
+        let q = quota(10, 1000, 3); // T = 100 ms
+        let mut s = Sim::new(&q, T0);
+        for left in [2, 1, 0] {
+            assert_eq!(s.consume(1).remaining, left);
+        }
+        let d = s.consume(1);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(ms(100)));
+        assert_eq!(d.reset_after, ms(300));
+        assert_retry_is_exact(&s, 1);
+        let d = s.consume(2);
+        assert_eq!(d.retry_after, Some(ms(200)));
+        assert_retry_is_exact(&s, 2);
+        assert!(s.consume(4).never_admissible());
+    }
+
+    #[test]
+    fn refund_moves_tat_back_but_not_before_now() {
+        let q = quota(10, 1000, 3);
+        let mut s = Sim::new(&q, T0);
+        assert!(s.consume(3).allowed);
+        s.refund(1);
+        assert_eq!(s.peek().remaining, 1);
+        s.refund(10);
+        assert_eq!(s.peek().remaining, 3);
+    }
+
+    proptest! {
+        #[test]
+        fn envelope_holds(
+            limit in 1u64..20,
+            period_ms in 1u64..50,
+            burst in 1u64..20,
+            arrivals in arrivals_strategy(200, 30),
+        ) {
+            let q = quota(limit, period_ms, burst);
+            let admitted = run(&q, &arrivals);
+            check_envelope(&admitted, limit, q.period_us(), burst)?;
+        }
+
+        #[test]
+        fn retry_after_is_exact(limit in 1u64..20, period_ms in 1u64..50, burst in 1u64..20, arrivals in arrivals_strategy(60, 30)) {
+            check_retry_exact_over(&quota(limit, period_ms, burst), &arrivals)?;
+        }
+    }
+}

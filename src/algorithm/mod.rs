@@ -1,0 +1,125 @@
+//! The arithmetic of each algorithm, pure and clock-free.
+//!
+//! Every function here is a state transition of `(state, now, quota, cost)`: no I/O, no clock
+//! reads. [`MemoryStore`](crate::MemoryStore) runs them directly; each Redis script is the same
+//! arithmetic line for line, and a differential test holds the two together.
+//!
+//! Times are microseconds since the Unix epoch. Every product is bounded when the [`Quota`] is
+//! built so that it stays exact in a Lua double.
+//!
+//! Each state type has the same four steps:
+//! - `decide`: bring the state up to `now` (a change that alters no future decision) and say
+//!   whether `cost` permits fit. `remaining` is counted as if they were taken.
+//! - `commit`: take them; call only after an admitting `decide` at the same `now`.
+//! - `refund`: give permits back, where the algorithm allows it.
+//! - `expires_at`: from when the state is indistinguishable from a fresh one, so it can be
+//!   dropped.
+
+use std::time::Duration;
+
+use crate::{Algorithm, Decision, Quota};
+
+pub(crate) mod fixed_window;
+pub(crate) mod gcra;
+pub(crate) mod sliding_log;
+pub(crate) mod sliding_window;
+pub(crate) mod token_bucket;
+
+pub(crate) use fixed_window::FixedWindow;
+pub(crate) use gcra::Gcra;
+pub(crate) use sliding_log::SlidingLog;
+pub(crate) use sliding_window::SlidingWindow;
+pub(crate) use token_bucket::TokenBucket;
+
+/// The state of one key under one quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum State {
+    FixedWindow(FixedWindow),
+    SlidingLog(SlidingLog),
+    SlidingWindow(SlidingWindow),
+    TokenBucket(TokenBucket),
+    Gcra(Gcra),
+}
+
+impl State {
+    /// A fresh state: nothing consumed yet.
+    pub(crate) fn new(quota: &Quota) -> State {
+        match quota.algorithm() {
+            Algorithm::FixedWindow => State::FixedWindow(FixedWindow::default()),
+            Algorithm::SlidingLog => State::SlidingLog(SlidingLog::default()),
+            Algorithm::SlidingWindow => State::SlidingWindow(SlidingWindow::default()),
+            Algorithm::TokenBucket => State::TokenBucket(TokenBucket::full(quota)),
+            Algorithm::Gcra => State::Gcra(Gcra::default()),
+        }
+    }
+
+    /// Whether this state was made for the quota's algorithm (a rule may be reconfigured).
+    pub(crate) fn fits(&self, quota: &Quota) -> bool {
+        matches!(
+            (self, quota.algorithm()),
+            (State::FixedWindow(_), Algorithm::FixedWindow)
+                | (State::SlidingLog(_), Algorithm::SlidingLog)
+                | (State::SlidingWindow(_), Algorithm::SlidingWindow)
+                | (State::TokenBucket(_), Algorithm::TokenBucket)
+                | (State::Gcra(_), Algorithm::Gcra)
+        )
+    }
+
+    pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
+        match self {
+            State::FixedWindow(s) => s.decide(now, quota, cost),
+            State::SlidingLog(s) => s.decide(now, quota, cost),
+            State::SlidingWindow(s) => s.decide(now, quota, cost),
+            State::TokenBucket(s) => s.decide(now, quota, cost),
+            State::Gcra(s) => s.decide(now, quota, cost),
+        }
+    }
+
+    pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) {
+        match self {
+            State::FixedWindow(s) => s.commit(cost),
+            State::SlidingLog(s) => s.commit(now, cost),
+            State::SlidingWindow(s) => s.commit(cost),
+            State::TokenBucket(s) => s.commit(quota, cost),
+            State::Gcra(s) => s.commit(now, quota, cost),
+        }
+    }
+
+    pub(crate) fn refund(&mut self, now: u64, quota: &Quota, cost: u64) {
+        match self {
+            State::FixedWindow(s) => s.refund(cost),
+            State::SlidingLog(s) => s.refund(cost),
+            State::SlidingWindow(s) => s.refund(cost),
+            State::TokenBucket(s) => s.refund(quota, cost),
+            State::Gcra(s) => s.refund(now, quota, cost),
+        }
+    }
+
+    pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
+        match self {
+            State::FixedWindow(s) => s.expires_at(quota),
+            State::SlidingLog(s) => s.expires_at(quota),
+            State::SlidingWindow(s) => s.expires_at(quota),
+            State::TokenBucket(s) => s.expires_at(quota),
+            State::Gcra(s) => s.expires_at(),
+        }
+    }
+}
+
+/// Microseconds as a `Duration`.
+pub(crate) fn us(micros: u64) -> Duration {
+    Duration::from_micros(micros)
+}
+
+/// `ceil(a / b)` for `b > 0`.
+pub(crate) fn div_ceil(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+/// The decision for a cost the quota can never admit, however long one waits.
+pub(crate) fn never(limit: u64, remaining: u64, reset_after: u64) -> Decision {
+    Decision::deny(limit, remaining, us(reset_after), None)
+}
+
+#[cfg(test)]
+pub(crate) mod testing;

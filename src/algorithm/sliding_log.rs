@@ -1,0 +1,131 @@
+//! Sliding window log: one timestamp per admitted permit.
+//!
+//! Promise: exact. At most `limit` permits in every window `(t - period, t]`. The price is
+//! state: one entry per admitted permit, so a quota's limit is capped (see
+//! [`QuotaBuilder::max_log_len`](crate::QuotaBuilder::max_log_len)).
+
+use std::collections::VecDeque;
+
+use super::{never, us};
+use crate::{Decision, Quota};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct SlidingLog {
+    /// Admission times (µs), oldest first; a request of cost `c` adds `c` entries. An entry at
+    /// `ts` counts until `ts + period`.
+    pub(crate) entries: VecDeque<u64>,
+}
+
+impl SlidingLog {
+    /// Times never run backwards inside the log: a clock that stepped back is read as the
+    /// newest entry.
+    fn effective_now(&self, now: u64) -> u64 {
+        self.entries.back().map_or(now, |&last| now.max(last))
+    }
+
+    pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
+        let period = quota.period_us();
+        let limit = quota.limit();
+        let now = self.effective_now(now);
+        while self.entries.front().is_some_and(|&ts| ts + period <= now) {
+            self.entries.pop_front();
+        }
+        let count = self.entries.len() as u64;
+        let remaining = limit.saturating_sub(count);
+        let reset_after = self.entries.back().map_or(0, |&last| last + period - now);
+        if cost > limit {
+            return never(limit, remaining, reset_after);
+        }
+        if count + cost <= limit {
+            Decision::admit(limit, remaining - cost, us(period))
+        } else {
+            // The request fits once the oldest `count + cost - limit` entries have expired.
+            let must_expire = (count + cost - limit) as usize;
+            let retry = self.entries[must_expire - 1] + period - now;
+            Decision::deny(limit, remaining, us(reset_after), Some(us(retry)))
+        }
+    }
+
+    pub(crate) fn commit(&mut self, now: u64, cost: u64) {
+        let now = self.effective_now(now);
+        self.entries.extend(std::iter::repeat_n(now, cost as usize));
+    }
+
+    pub(crate) fn refund(&mut self, cost: u64) {
+        let keep = self.entries.len().saturating_sub(cost as usize);
+        self.entries.truncate(keep);
+    }
+
+    pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
+        self.entries
+            .back()
+            .map_or(0, |&last| last + quota.period_us())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use crate::Algorithm;
+    use proptest::prelude::*;
+
+    fn quota(limit: u64, period_ms: u64) -> crate::Quota {
+        quota_of(Algorithm::SlidingLog, limit, period_ms, None)
+    }
+
+    #[test]
+    fn exact_in_every_window_across_the_boundary() {
+        let q = quota(5, 1000);
+        let mut s = Sim::new(&q, T0 + 999_000);
+        assert!(s.consume(5).allowed);
+        s.advance_us(1_000); // a new aligned window, but the log still sees all five
+        let d = s.consume(1);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(ms(999)));
+        assert_retry_is_exact(&s, 1);
+    }
+
+    #[test]
+    fn retry_waits_for_enough_entries_to_expire() {
+        let q = quota(4, 100);
+        let mut s = Sim::new(&q, T0);
+        assert!(s.consume(1).allowed); // t0
+        s.advance_ms(10);
+        assert!(s.consume(1).allowed); // t10
+        s.advance_ms(10);
+        assert!(s.consume(2).allowed); // t20 x2
+        let d = s.consume(2);
+        assert!(!d.allowed);
+        // Two must expire: t0 at 100, t10 at 110. Now is 20: retry in 90 ms.
+        assert_eq!(d.retry_after, Some(ms(90)));
+        assert_retry_is_exact(&s, 2);
+        assert!(s.consume(5).never_admissible());
+    }
+
+    #[test]
+    fn refund_removes_newest() {
+        let q = quota(2, 100);
+        let mut s = Sim::new(&q, T0);
+        assert!(s.consume(2).allowed);
+        s.refund(2);
+        assert_eq!(s.peek().remaining, 2);
+    }
+
+    proptest! {
+        #[test]
+        fn at_most_limit_in_every_sliding_window(
+            limit in 1u64..20,
+            period_ms in 1u64..50,
+            arrivals in arrivals_strategy(200, 30),
+        ) {
+            let q = quota(limit, period_ms);
+            let admitted = run(&q, &arrivals);
+            prop_assert!(max_in_any_window(&admitted, q.period_us()) <= limit);
+        }
+
+        #[test]
+        fn retry_after_is_exact(limit in 1u64..20, period_ms in 1u64..50, arrivals in arrivals_strategy(60, 30)) {
+            check_retry_exact_over(&quota(limit, period_ms), &arrivals)?;
+        }
+    }
+}

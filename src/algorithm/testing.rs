@@ -1,0 +1,197 @@
+//! Test helpers shared by the algorithm tests: a simulated key on a manual timeline, random
+//! arrival sequences, and the checks behind each algorithm's promise.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+use super::State;
+use crate::{Algorithm, Decision, Quota};
+
+/// 2025-01-01T00:00:00Z in µs: aligned to every whole-second period.
+pub(crate) const T0: u64 = 1_735_689_600_000_000;
+
+pub(crate) fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+pub(crate) fn quota_of(algorithm: Algorithm, limit: u64, period_ms: u64, burst: Option<u64>) -> Quota {
+    let mut b = Quota::new(limit, ms(period_ms)).algorithm(algorithm);
+    if let Some(burst) = burst {
+        b = b.burst(burst);
+    }
+    b.build().expect("valid test quota")
+}
+
+/// One key's state driven by hand.
+#[derive(Clone)]
+pub(crate) struct Sim<'q> {
+    pub(crate) quota: &'q Quota,
+    pub(crate) state: State,
+    pub(crate) now: u64,
+}
+
+impl<'q> Sim<'q> {
+    pub(crate) fn new(quota: &'q Quota, now: u64) -> Self {
+        Sim {
+            quota,
+            state: State::new(quota),
+            now,
+        }
+    }
+
+    pub(crate) fn consume(&mut self, cost: u64) -> Decision {
+        let d = self.state.decide(self.now, self.quota, cost);
+        if d.allowed {
+            self.state.commit(self.now, self.quota, cost);
+        }
+        d
+    }
+
+    /// The decision a request of cost 1 would get, without taking anything.
+    pub(crate) fn peek(&mut self) -> Decision {
+        let mut d = self.state.decide(self.now, self.quota, 1);
+        if d.allowed {
+            d.remaining += 1;
+        }
+        d
+    }
+
+    pub(crate) fn refund(&mut self, cost: u64) {
+        self.state.decide(self.now, self.quota, 1);
+        self.state.refund(self.now, self.quota, cost);
+    }
+
+    pub(crate) fn advance_ms(&mut self, n: u64) {
+        self.now += n * 1000;
+    }
+
+    pub(crate) fn advance_us(&mut self, n: u64) {
+        self.now += n;
+    }
+
+    fn decide_at(&self, at: u64, cost: u64) -> Decision {
+        let mut state = self.state.clone();
+        state.decide(at, self.quota, cost)
+    }
+}
+
+/// A denial's `retry_after` is exact: admitted at `now + retry_after`, denied one microsecond
+/// (and so also one millisecond) earlier, assuming nothing else arrives.
+pub(crate) fn retry_exactness(sim: &Sim<'_>, cost: u64) -> Result<(), String> {
+    let d = sim.decide_at(sim.now, cost);
+    if d.allowed {
+        return Err(format!("expected a denial, got {d:?}"));
+    }
+    let Some(retry) = d.retry_after else {
+        return Err(format!("expected a retry time, got {d:?}"));
+    };
+    let retry = retry.as_micros() as u64;
+    if retry == 0 {
+        return Err("a denial with a zero retry time".into());
+    }
+    let at = sim.now + retry;
+    if !sim.decide_at(at, cost).allowed {
+        return Err(format!("denied at now + retry_after ({retry} µs)"));
+    }
+    if sim.decide_at(at - 1, cost).allowed {
+        return Err(format!("admitted 1 µs before retry_after ({retry} µs)"));
+    }
+    if retry >= 1000 && sim.decide_at(at - 1000, cost).allowed {
+        return Err(format!("admitted 1 ms before retry_after ({retry} µs)"));
+    }
+    Ok(())
+}
+
+pub(crate) fn assert_retry_is_exact(sim: &Sim<'_>, cost: u64) {
+    if let Err(e) = retry_exactness(sim, cost) {
+        panic!("{e}");
+    }
+}
+
+/// Arrivals as (gap before it in µs, cost): gaps up to `max_gap_ms`, costs mostly 1.
+pub(crate) fn arrivals_strategy(
+    max_len: usize,
+    max_gap_ms: u64,
+) -> impl Strategy<Value = Vec<(u64, u64)>> {
+    let gap = prop_oneof![
+        3 => Just(0u64),
+        5 => 0..max_gap_ms * 1000,
+        1 => (0..max_gap_ms).prop_map(|m| m * 1000),
+    ];
+    let cost = prop_oneof![6 => Just(1u64), 3 => 1u64..4, 1 => 1u64..25];
+    prop::collection::vec((gap, cost), 1..max_len)
+}
+
+/// Replays the arrivals from `T0` plus a random-looking offset; returns the admitted
+/// (time, cost) pairs.
+pub(crate) fn run(quota: &Quota, arrivals: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut sim = Sim::new(quota, T0 + 123_457);
+    let mut admitted = Vec::new();
+    for &(gap, cost) in arrivals {
+        sim.advance_us(gap);
+        if sim.consume(cost).allowed {
+            admitted.push((sim.now, cost));
+        }
+    }
+    admitted
+}
+
+/// The most permits admitted within any window `(t − period, t]`.
+pub(crate) fn max_in_any_window(admitted: &[(u64, u64)], period: u64) -> u64 {
+    let mut best = 0;
+    let mut from = 0;
+    let mut sum = 0;
+    for &(t, cost) in admitted {
+        sum += cost;
+        while admitted[from].0 + period <= t {
+            sum -= admitted[from].1;
+            from += 1;
+        }
+        best = best.max(sum);
+    }
+    best
+}
+
+/// In every interval `[a, b]`, admitted ≤ burst + limit × (b − a) / period.
+pub(crate) fn check_envelope(
+    admitted: &[(u64, u64)],
+    limit: u64,
+    period: u64,
+    burst: u64,
+) -> Result<(), TestCaseError> {
+    for i in 0..admitted.len() {
+        let mut sum = 0u128;
+        for j in i..admitted.len() {
+            sum += u128::from(admitted[j].1);
+            let span = u128::from(admitted[j].0 - admitted[i].0);
+            let bound = u128::from(burst) * u128::from(period) + u128::from(limit) * span;
+            prop_assert!(
+                sum * u128::from(period) <= bound,
+                "{sum} admitted within {span} µs"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Replays the arrivals, and at every denial with a retry time checks that it is exact.
+pub(crate) fn check_retry_exact_over(
+    quota: &Quota,
+    arrivals: &[(u64, u64)],
+) -> Result<(), TestCaseError> {
+    let mut sim = Sim::new(quota, T0 + 98_765);
+    for &(gap, cost) in arrivals {
+        sim.advance_us(gap);
+        let before = sim.clone();
+        let d = sim.consume(cost);
+        if !d.allowed && d.retry_after.is_some() {
+            retry_exactness(&before, cost).map_err(TestCaseError::fail)?;
+        }
+        if cost > quota.capacity() {
+            prop_assert!(d.never_admissible());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! Time, injected: the system clock in production, a manual clock in tests.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// A source of wall-clock time in microseconds since the Unix epoch.
+///
+/// Stores read time through a `Clock` so that tests can move time by hand instead of sleeping.
+/// Microseconds since the epoch stay below 2^53 (exact in a Redis script's doubles) until the
+/// year 2255.
+pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// Microseconds since the Unix epoch.
+    fn now_us(&self) -> u64;
+}
+
+/// The operating system's clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_us(&self) -> u64 {
+        // A clock set before 1970 reads as the epoch rather than panicking.
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
+    }
+}
+
+/// A clock that moves only when told to. Clones share the same time.
+///
+/// ```
+/// use std::time::Duration;
+/// use fleetlimit::{Clock, ManualClock};
+///
+/// let clock = ManualClock::new(1_000_000);
+/// clock.advance(Duration::from_millis(5));
+/// assert_eq!(clock.now_us(), 1_005_000);
+/// ```
+#[derive(Debug, Clone)]
+pub struct ManualClock(Arc<AtomicU64>);
+
+impl ManualClock {
+    /// A clock reading `now_us` microseconds since the epoch.
+    pub fn new(now_us: u64) -> ManualClock {
+        ManualClock(Arc::new(AtomicU64::new(now_us)))
+    }
+
+    /// Move the clock forward.
+    pub fn advance(&self, by: Duration) {
+        self.0.fetch_add(by.as_micros() as u64, Ordering::SeqCst);
+    }
+
+    /// Set the clock to an absolute reading.
+    pub fn set(&self, now_us: u64) {
+        self.0.store(now_us, Ordering::SeqCst);
+    }
+}
+
+impl Default for ManualClock {
+    /// A clock at 2025-01-01T00:00:00Z.
+    fn default() -> Self {
+        ManualClock::new(1_735_689_600_000_000)
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_us(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+}

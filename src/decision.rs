@@ -1,0 +1,97 @@
+//! The answer to "may this request go ahead?".
+
+use std::time::Duration;
+
+/// Where a decision was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Source {
+    /// The store (memory or Redis) decided.
+    Store,
+    /// Permits leased from the store earlier were spent in process memory.
+    Lease,
+    /// The store failed and the outage policy decided.
+    Fallback,
+}
+
+/// One rule's verdict on one request, with everything the rate-limit headers need.
+///
+/// Every field comes from the same atomic step of the store, so headers never mix two reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// Whether the request may go ahead.
+    pub allowed: bool,
+    /// The most permits available at once (the quota's limit, or the bucket's burst).
+    pub limit: u64,
+    /// Permits of cost 1 still available right now, after this request.
+    pub remaining: u64,
+    /// How long until the quota is back to full (`remaining == limit`) if nothing else arrives.
+    pub reset_after: Duration,
+    /// For a denial: exactly how long until a request of the same cost is admitted, if nothing
+    /// else consumes meanwhile. `None` when allowed, and when the cost exceeds what the quota
+    /// can ever admit (see [`Decision::never_admissible`]).
+    pub retry_after: Option<Duration>,
+    /// Where the decision was made.
+    pub source: Source,
+    /// True when the decision was made without the store (an outage policy decided).
+    pub degraded: bool,
+}
+
+impl Decision {
+    /// An admitting decision from the store.
+    pub fn admit(limit: u64, remaining: u64, reset_after: Duration) -> Decision {
+        Decision {
+            allowed: true,
+            limit,
+            remaining,
+            reset_after,
+            retry_after: None,
+            source: Source::Store,
+            degraded: false,
+        }
+    }
+
+    /// A denying decision from the store; `retry_after` is `None` when the request can never be
+    /// admitted.
+    pub fn deny(
+        limit: u64,
+        remaining: u64,
+        reset_after: Duration,
+        retry_after: Option<Duration>,
+    ) -> Decision {
+        Decision {
+            allowed: false,
+            limit,
+            remaining,
+            reset_after,
+            retry_after,
+            source: Source::Store,
+            degraded: false,
+        }
+    }
+
+    /// True for a denial that no amount of waiting can turn into an admission: the request's
+    /// cost exceeds the quota's capacity.
+    pub fn never_admissible(&self) -> bool {
+        !self.allowed && self.retry_after.is_none()
+    }
+
+    /// Which of two decisions should govern single-valued headers: a denial over an admission,
+    /// then the longer wait, then fewer remaining permits.
+    pub(crate) fn more_restrictive(self, other: Decision) -> Decision {
+        let rank = |d: &Decision| {
+            (
+                !d.allowed,
+                d.never_admissible(),
+                d.retry_after.unwrap_or(Duration::ZERO),
+                std::cmp::Reverse(d.remaining),
+                d.reset_after,
+            )
+        };
+        if rank(&other) > rank(&self) {
+            other
+        } else {
+            self
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Key extractors: how a request is turned into the key its limits count against.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+
+use http::request::Parts;
+
+use super::Key;
+
+/// Chooses the key a request counts against.
+///
+/// Returning `None` means "no key from me": the layer falls back to the peer address.
+pub trait KeyExtractor: Send + Sync + 'static {
+    /// The key for this request, if this extractor can tell.
+    fn extract(&self, parts: &Parts) -> Option<Key>;
+}
+
+/// A [`KeyExtractor`] from a closure over the request's parts; see [`from_fn`].
+#[derive(Clone)]
+pub struct FnExtractor<F>(F);
+
+impl<F> fmt::Debug for FnExtractor<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FnExtractor")
+    }
+}
+
+/// An extractor from a closure: the tenant, the account, an API key, anything in the request.
+///
+/// ```
+/// use fleetlimit::key::{from_fn, KeyExtractor};
+/// use fleetlimit::Key;
+///
+/// let by_api_key = from_fn(|parts| {
+///     parts.headers.get("x-api-key").map(|v| Key::new(v.as_bytes()))
+/// });
+/// let (parts, _) = http::Request::builder().header("x-api-key", "abc").body(()).unwrap().into_parts();
+/// assert_eq!(by_api_key.extract(&parts), Some(Key::new("abc")));
+/// ```
+pub fn from_fn<F>(f: F) -> FnExtractor<F>
+where
+    F: Fn(&Parts) -> Option<Key> + Send + Sync + 'static,
+{
+    FnExtractor(f)
+}
+
+impl<F> KeyExtractor for FnExtractor<F>
+where
+    F: Fn(&Parts) -> Option<Key> + Send + Sync + 'static,
+{
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        (self.0)(parts)
+    }
+}
+
+/// The peer's address, from axum's `ConnectInfo<SocketAddr>` (with the `axum` feature) or a
+/// plain `SocketAddr` request extension. IPv6 peers are grouped by a prefix (default /64).
+#[derive(Debug, Clone, Copy)]
+pub struct PeerIp {
+    ipv6_prefix: u8,
+}
+
+impl Default for PeerIp {
+    fn default() -> Self {
+        PeerIp { ipv6_prefix: 64 }
+    }
+}
+
+impl PeerIp {
+    /// Group IPv6 peers by this prefix length (0–128; default 64). 128 counts every address
+    /// on its own.
+    pub fn ipv6_prefix(mut self, prefix: u8) -> Self {
+        self.ipv6_prefix = prefix.min(128);
+        self
+    }
+
+    /// The peer address recorded in the request's extensions, if any.
+    pub fn peer_addr(parts: &Parts) -> Option<IpAddr> {
+        #[cfg(feature = "axum")]
+        if let Some(info) = parts
+            .extensions
+            .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        {
+            return Some(info.0.ip());
+        }
+        parts.extensions.get::<SocketAddr>().map(|a| a.ip())
+    }
+}
+
+impl KeyExtractor for PeerIp {
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        PeerIp::peer_addr(parts).map(|ip| Key::from_ip(ip, self.ipv6_prefix))
+    }
+}

@@ -1,0 +1,207 @@
+//! Keys: what a limit counts against (an account, an API key, a client address).
+//!
+//! A [`Key`] is an opaque byte string with a one-byte kind tag in front, so that a user key
+//! `"10.0.0.1"` and the peer address `10.0.0.1` never share a bucket. Long keys are replaced by
+//! their SHA-256, so a hostile client cannot make the store keep kilobytes per key. `Debug`
+//! never prints a user key: it shows a short fingerprint instead, so API keys stay out of logs.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv6Addr};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use sha2::{Digest, Sha256};
+
+mod extract;
+
+pub use extract::{from_fn, FnExtractor, KeyExtractor, PeerIp};
+
+/// User keys longer than this many bytes are stored as their SHA-256.
+pub const MAX_KEY_LEN: usize = 128;
+
+const TAG_USER: u8 = b'k';
+const TAG_HASHED: u8 = b'h';
+const TAG_IP: u8 = b'i';
+const TAG_GLOBAL: u8 = b'g';
+
+/// What a limit counts against.
+///
+/// ```
+/// use fleetlimit::Key;
+///
+/// let a = Key::new("tenant-42");
+/// let b = Key::from(std::net::IpAddr::from([10, 0, 0, 1]));
+/// assert_ne!(Key::new("10.0.0.1"), b, "user keys and addresses never collide");
+/// assert!(Key::new(vec![b'x'; 10_000]).as_bytes().len() <= 64, "long keys are hashed");
+/// # let _ = a;
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key(Bytes);
+
+impl Key {
+    /// A key from user data (an account id, an API key, a tenant). Any bytes are allowed.
+    pub fn new(key: impl AsRef<[u8]>) -> Key {
+        let key = key.as_ref();
+        if key.len() > MAX_KEY_LEN {
+            let digest = Sha256::digest(key);
+            let mut b = BytesMut::with_capacity(1 + digest.len());
+            b.put_u8(TAG_HASHED);
+            b.put_slice(&digest);
+            return Key(b.freeze());
+        }
+        let mut b = BytesMut::with_capacity(1 + key.len());
+        b.put_u8(TAG_USER);
+        b.put_slice(key);
+        Key(b.freeze())
+    }
+
+    /// A key for a client address. IPv6 addresses are grouped by `/ipv6_prefix` (a host
+    /// usually owns a whole /64 and could otherwise rotate through it); IPv4 is kept whole, and
+    /// IPv4-mapped IPv6 addresses count as the IPv4 address.
+    pub fn from_ip(ip: IpAddr, ipv6_prefix: u8) -> Key {
+        let ip = match ip {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6(mask_v6(v6, ipv6_prefix)),
+            },
+            v4 => v4,
+        };
+        let mut b = BytesMut::with_capacity(1 + 40);
+        b.put_u8(TAG_IP);
+        // Writing into a BytesMut cannot fail.
+        let _ = fmt::Write::write_fmt(&mut BytesWriter(&mut b), format_args!("{ip}"));
+        if let IpAddr::V6(_) = ip {
+            let _ = fmt::Write::write_fmt(&mut BytesWriter(&mut b), format_args!("/{ipv6_prefix}"));
+        }
+        Key(b.freeze())
+    }
+
+    /// The one key every request shares (a global limit).
+    pub fn global() -> Key {
+        Key(Bytes::from_static(&[TAG_GLOBAL]))
+    }
+
+    /// The encoded key: a kind tag, then the user's bytes or a digest. Distinct keys have
+    /// distinct encodings.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Whether this key is a client address.
+    pub fn is_ip(&self) -> bool {
+        self.0.first() == Some(&TAG_IP)
+    }
+}
+
+fn mask_v6(ip: Ipv6Addr, prefix: u8) -> Ipv6Addr {
+    let prefix = u32::from(prefix.min(128));
+    let bits = u128::from(ip);
+    let mask = if prefix == 0 {
+        0
+    } else {
+        u128::MAX << (128 - prefix)
+    };
+    Ipv6Addr::from(bits & mask)
+}
+
+struct BytesWriter<'a>(&'a mut BytesMut);
+
+impl fmt::Write for BytesWriter<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.0.put_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
+impl From<&str> for Key {
+    fn from(s: &str) -> Key {
+        Key::new(s)
+    }
+}
+
+impl From<String> for Key {
+    fn from(s: String) -> Key {
+        Key::new(s)
+    }
+}
+
+impl From<&[u8]> for Key {
+    fn from(b: &[u8]) -> Key {
+        Key::new(b)
+    }
+}
+
+impl From<IpAddr> for Key {
+    /// The address with IPv6 grouped by /64.
+    fn from(ip: IpAddr) -> Key {
+        Key::from_ip(ip, 64)
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.first() {
+            Some(&TAG_IP) => write!(f, "Key(ip {})", String::from_utf8_lossy(&self.0[1..])),
+            Some(&TAG_GLOBAL) => f.write_str("Key(global)"),
+            _ => {
+                let digest = Sha256::digest(&self.0);
+                write!(
+                    f,
+                    "Key(#{:02x}{:02x}{:02x}{:02x})",
+                    digest[0], digest[1], digest[2], digest[3]
+                )
+            }
+        }
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_never_collide() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        assert_ne!(Key::new("10.0.0.1"), Key::from(ip));
+        assert_ne!(Key::new("g"), Key::global());
+        assert_ne!(Key::new(""), Key::global());
+    }
+
+    #[test]
+    fn long_keys_are_hashed_and_distinct() {
+        let a = Key::new(vec![b'a'; 10_000]);
+        let mut other = vec![b'a'; 10_000];
+        other[9_999] = b'b';
+        let b = Key::new(other);
+        assert_eq!(a.as_bytes().len(), 33);
+        assert_ne!(a, b);
+        // A short key equal to a digest's bytes is still a different key (different tag).
+        assert_ne!(Key::new(&a.as_bytes()[1..]), a);
+        assert_eq!(Key::new(vec![b'x'; MAX_KEY_LEN]).as_bytes().len(), MAX_KEY_LEN + 1);
+    }
+
+    #[test]
+    fn ipv6_grouped_by_prefix() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:bbbb::9".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(Key::from(a), Key::from(b));
+        assert_ne!(Key::from(a), Key::from(c));
+        assert_ne!(Key::from_ip(a, 128), Key::from_ip(b, 128));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(Key::from(mapped), Key::from("10.0.0.1".parse::<IpAddr>().unwrap()));
+    }
+
+    #[test]
+    fn debug_never_shows_user_keys() {
+        let k = Key::new("sk_live_secret");
+        let shown = format!("{k:?}");
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(format!("{:?}", Key::from("1.2.3.4".parse::<IpAddr>().unwrap())).contains("1.2.3.4"));
+    }
+}

@@ -1,0 +1,67 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tower_service::Service;
+
+use super::layer::Config;
+use super::{ResponseBody, ResponseFuture};
+
+/// The service made by [`RateLimitLayer`](super::RateLimitLayer).
+#[derive(Clone)]
+pub struct RateLimitService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for RateLimitService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimitService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> RateLimitService<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
+        RateLimitService { inner, config }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimitService<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Backpressure is the inner service's; the rate-limit decision is made per request.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let (parts, body) = req.into_parts();
+        let config = &self.config;
+        let key = config
+            .extractor
+            .as_ref()
+            .and_then(|e| e.extract(&parts))
+            .or_else(|| crate::key::KeyExtractor::extract(&config.peer, &parts));
+        let req = Request::from_parts(parts, body);
+        // The inner service was driven to readiness; keep that instance for this call and leave
+        // a fresh clone behind (the Tower-documented pattern).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        match key {
+            Some(key) => ResponseFuture::checking(config.clone(), key, inner, req),
+            None => ResponseFuture::no_key(),
+        }
+    }
+}

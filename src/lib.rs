@@ -1,0 +1,64 @@
+//! # fleetlimit
+//!
+//! Rate limits that hold across a whole fleet of app servers.
+//!
+//! An in-process counter is wrong by the fleet size: fifty servers each allowing 100/min allow
+//! 5,000/min. fleetlimit keeps the counter in a shared store, decides atomically there, and
+//! wraps it all in a Tower layer for axum, tonic and hyper. The in-memory store is the embedded
+//! default, for one process and for tests.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! use std::net::SocketAddr;
+//!
+//! use axum::{routing::get, Router};
+//! use fleetlimit::{key, Key, Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // 100 requests per minute per API key (or per client address without one).
+//!     let limiter = Limiter::builder(MemoryStore::new())
+//!         .rule(Rule::new("api", Quota::per_minute(100).build()?)?)
+//!         .build()?;
+//!     let layer = RateLimitLayer::new(limiter).key(key::from_fn(|parts| {
+//!         parts.headers.get("x-api-key").map(|v| Key::new(v.as_bytes()))
+//!     }));
+//!
+//!     let app = Router::new().route("/", get(|| async { "ok" })).layer(layer);
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     // Connect info gives the layer the peer address to fall back on.
+//!     axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## Layers of the crate
+//!
+//! - [`RateLimitLayer`]: the Tower face (keys, headers, the 429).
+//! - [`Limiter`]: rules × key → one [`Decision`].
+//! - [`Store`](store::Store): atomic consumption of permits; [`MemoryStore`] here.
+//! - The algorithms ([`Algorithm`]), each with a stated, tested promise.
+#![warn(missing_docs)]
+#![deny(clippy::unwrap_used)]
+
+mod algorithm;
+mod clock;
+mod decision;
+mod error;
+pub mod key;
+pub mod layer;
+mod limiter;
+mod quota;
+mod rule;
+pub mod store;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use decision::{Decision, Source};
+pub use error::{ConfigError, Error, StoreError};
+pub use key::{Key, KeyExtractor};
+pub use layer::{HeaderStyle, RateLimitLayer};
+pub use limiter::{Limiter, LimiterBuilder};
+pub use quota::{Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_PERIOD};
+pub use rule::Rule;
+pub use store::{MemoryStore, Store};

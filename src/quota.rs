@@ -1,0 +1,417 @@
+//! Quotas: how many permits per period, counted by which algorithm.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+/// The largest product a quota may need. Redis scripts run in Lua, whose numbers are IEEE
+/// doubles, exact up to 2^53; 2^50 leaves room for the sums of these products with timestamps.
+pub(crate) const EXACT_MAX: u128 = 1 << 50;
+
+/// The longest period accepted: long enough for any real quota, short enough that every timestamp
+/// sum stays exact.
+pub const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// The default cap on a sliding window log's limit (one entry per admitted permit).
+pub const DEFAULT_MAX_LOG_LEN: u64 = 10_000;
+
+/// How permits are counted. Each has a promise, stated here and proved by the test suite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// One counter per aligned window. At most `limit` per window, but up to `2 × limit` across
+    /// a window boundary. The cheapest.
+    FixedWindow,
+    /// One timestamp per admitted permit. Exact: at most `limit` in every window of length
+    /// `period`. State grows with the limit, so the limit is capped.
+    SlidingLog,
+    /// Two counters (this window and the previous), the previous one weighted by how much of it
+    /// still overlaps the sliding window. At most `limit` by that estimate; the error against
+    /// the exact log is measured and reported in the README. The default.
+    #[default]
+    SlidingWindow,
+    /// A bucket of `burst` tokens refilled at `limit / period`; each request takes `cost`
+    /// tokens. Never more than `burst + rate × t` in any interval of length `t`.
+    TokenBucket,
+    /// The generic cell rate algorithm: the token bucket's envelope with one timestamp of
+    /// state. Its emission interval is rounded up to a whole microsecond, so it is never faster
+    /// than configured.
+    Gcra,
+}
+
+impl Algorithm {
+    /// Every algorithm, in a stable order.
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::SlidingWindow,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ];
+
+    /// The algorithm's name as written on command lines: `fixed-window`, `sliding-log`,
+    /// `sliding-window`, `token-bucket`, `gcra`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fixed-window",
+            Algorithm::SlidingLog => "sliding-log",
+            Algorithm::SlidingWindow => "sliding-window",
+            Algorithm::TokenBucket => "token-bucket",
+            Algorithm::Gcra => "gcra",
+        }
+    }
+
+    fn has_burst(self) -> bool {
+        matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| ConfigError::Invalid {
+                setting: "algorithm",
+                reason: format!(
+                    "unknown algorithm {s:?}; expected one of fixed-window, sliding-log, sliding-window, token-bucket, gcra"
+                ),
+            })
+    }
+}
+
+/// A validated quota: `limit` permits per `period`, counted by an [`Algorithm`].
+///
+/// Build one with [`Quota::per_second`], [`Quota::per_minute`], [`Quota::per_hour`],
+/// [`Quota::per_day`] or [`Quota::new`], then [`QuotaBuilder::build`]:
+///
+/// ```
+/// use fleetlimit::{Algorithm, Quota};
+///
+/// let quota = Quota::per_minute(100).build()?;
+/// assert_eq!(quota.limit(), 100);
+///
+/// // A token bucket refilling 10 per second that holds at most 50.
+/// let bucket = Quota::per_second(10).algorithm(Algorithm::TokenBucket).burst(50).build()?;
+/// assert_eq!(bucket.burst(), 50);
+///
+/// // Invalid quotas are errors, not panics.
+/// assert!(Quota::per_second(0).build().is_err());
+/// # Ok::<(), fleetlimit::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Quota {
+    limit: u64,
+    period_us: u64,
+    burst: u64,
+    algorithm: Algorithm,
+    /// GCRA's emission interval, rounded up to a whole microsecond.
+    emission_us: u64,
+    /// Token bucket: units per token and units refilled per microsecond, in lowest terms, so
+    /// refilling is exact integer arithmetic.
+    token_units: u64,
+    refill_units: u64,
+}
+
+impl Quota {
+    /// `limit` permits per `period`.
+    pub fn new(limit: u64, period: Duration) -> QuotaBuilder {
+        QuotaBuilder {
+            limit,
+            period,
+            burst: None,
+            algorithm: Algorithm::default(),
+            max_log_len: DEFAULT_MAX_LOG_LEN,
+        }
+    }
+
+    /// `limit` permits per second.
+    pub fn per_second(limit: u64) -> QuotaBuilder {
+        Quota::new(limit, Duration::from_secs(1))
+    }
+
+    /// `limit` permits per minute.
+    pub fn per_minute(limit: u64) -> QuotaBuilder {
+        Quota::new(limit, Duration::from_secs(60))
+    }
+
+    /// `limit` permits per hour.
+    pub fn per_hour(limit: u64) -> QuotaBuilder {
+        Quota::new(limit, Duration::from_secs(3600))
+    }
+
+    /// `limit` permits per day.
+    pub fn per_day(limit: u64) -> QuotaBuilder {
+        Quota::new(limit, Duration::from_secs(86_400))
+    }
+
+    /// Permits per period (for the token bucket and GCRA: the refill rate's numerator).
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The period.
+    pub fn period(&self) -> Duration {
+        Duration::from_micros(self.period_us)
+    }
+
+    /// The burst: the most permits available at once. Equals the limit for the window
+    /// algorithms.
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The most permits a single request can ever be granted: larger costs are never admitted.
+    pub fn capacity(&self) -> u64 {
+        self.burst
+    }
+
+    pub(crate) fn period_us(&self) -> u64 {
+        self.period_us
+    }
+
+    pub(crate) fn emission_us(&self) -> u64 {
+        self.emission_us
+    }
+
+    pub(crate) fn token_units(&self) -> u64 {
+        self.token_units
+    }
+
+    pub(crate) fn refill_units(&self) -> u64 {
+        self.refill_units
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// An unvalidated quota; [`build`](QuotaBuilder::build) checks it.
+#[derive(Debug, Clone)]
+#[must_use = "a quota builder does nothing until `build` is called"]
+pub struct QuotaBuilder {
+    limit: u64,
+    period: Duration,
+    burst: Option<u64>,
+    algorithm: Algorithm,
+    max_log_len: u64,
+}
+
+impl QuotaBuilder {
+    /// Count with this algorithm (default: [`Algorithm::SlidingWindow`]).
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// The token bucket's capacity, or GCRA's burst: how many permits can be taken at once.
+    /// Defaults to the limit. Only valid for those two algorithms.
+    pub fn burst(mut self, burst: u64) -> Self {
+        self.burst = Some(burst);
+        self
+    }
+
+    /// The cap on a sliding window log's limit (default [`DEFAULT_MAX_LOG_LEN`]). The log keeps
+    /// one entry per admitted permit, so memory and script time per key grow with the limit.
+    pub fn max_log_len(mut self, cap: u64) -> Self {
+        self.max_log_len = cap;
+        self
+    }
+
+    /// Validate and build the quota.
+    pub fn build(self) -> Result<Quota, ConfigError> {
+        let QuotaBuilder {
+            limit,
+            period,
+            burst,
+            algorithm,
+            max_log_len,
+        } = self;
+        if limit == 0 {
+            return Err(ConfigError::ZeroLimit);
+        }
+        if period < Duration::from_millis(1) {
+            return Err(ConfigError::PeriodTooShort(period));
+        }
+        if period > MAX_PERIOD {
+            return Err(ConfigError::PeriodTooLong {
+                max: MAX_PERIOD,
+                got: period,
+            });
+        }
+        if period.subsec_nanos() % 1_000_000 != 0 {
+            return Err(ConfigError::PeriodNotWholeMillis(period));
+        }
+        let period_us = period.as_micros() as u64; // at most MAX_PERIOD, fits easily
+        let period_ms = period_us / 1000;
+        if burst.is_some() && !algorithm.has_burst() {
+            return Err(ConfigError::BurstNotApplicable(algorithm));
+        }
+        let burst = burst.unwrap_or(limit);
+        if burst == 0 {
+            return Err(ConfigError::ZeroBurst);
+        }
+        let exact = |what: &'static str, value: u128| {
+            if value > EXACT_MAX {
+                Err(ConfigError::Overflow { what, value })
+            } else {
+                Ok(())
+            }
+        };
+        exact("limit", u128::from(limit))?;
+        let mut emission_us = 0;
+        let g = gcd(period_us, limit);
+        let (token_units, refill_units) = (period_us / g, limit / g);
+        match algorithm {
+            Algorithm::FixedWindow => {}
+            Algorithm::SlidingLog => {
+                if limit > max_log_len {
+                    return Err(ConfigError::LogTooLong {
+                        limit,
+                        cap: max_log_len,
+                    });
+                }
+            }
+            Algorithm::SlidingWindow => {
+                exact(
+                    "limit × period in ms",
+                    u128::from(limit) * u128::from(period_ms),
+                )?;
+            }
+            Algorithm::TokenBucket => {
+                exact(
+                    "burst × period in µs / gcd(period in µs, limit)",
+                    u128::from(burst) * u128::from(token_units),
+                )?;
+            }
+            Algorithm::Gcra => {
+                if limit > period_us {
+                    return Err(ConfigError::RateTooHigh { limit, period });
+                }
+                emission_us = period_us.div_ceil(limit);
+                exact(
+                    "burst × emission interval in µs",
+                    u128::from(burst) * u128::from(emission_us),
+                )?;
+            }
+        }
+        Ok(Quota {
+            limit,
+            period_us,
+            burst,
+            algorithm,
+            emission_us,
+            token_units,
+            refill_units,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn valid_quotas_build() {
+        for algorithm in Algorithm::ALL {
+            let q = Quota::per_minute(100).algorithm(algorithm).build().unwrap();
+            assert_eq!(q.limit(), 100);
+            assert_eq!(q.period(), Duration::from_secs(60));
+            assert_eq!(q.burst(), 100);
+            assert_eq!(q.algorithm(), algorithm);
+        }
+        let q = Quota::per_second(3).algorithm(Algorithm::Gcra).build().unwrap();
+        assert_eq!(q.emission_us(), 333_334, "rounded up, never faster");
+    }
+
+    #[test]
+    fn invalid_quotas_are_errors() {
+        assert_eq!(Quota::per_second(0).build(), Err(ConfigError::ZeroLimit));
+        assert!(matches!(
+            Quota::new(1, Duration::ZERO).build(),
+            Err(ConfigError::PeriodTooShort(_))
+        ));
+        assert!(matches!(
+            Quota::new(1, Duration::from_micros(1500)).build(),
+            Err(ConfigError::PeriodNotWholeMillis(_))
+        ));
+        assert!(matches!(
+            Quota::new(1, Duration::from_secs(400 * 86_400)).build(),
+            Err(ConfigError::PeriodTooLong { .. })
+        ));
+        assert_eq!(
+            Quota::per_second(5)
+                .algorithm(Algorithm::TokenBucket)
+                .burst(0)
+                .build(),
+            Err(ConfigError::ZeroBurst)
+        );
+        assert!(matches!(
+            Quota::per_second(5).burst(2).build(),
+            Err(ConfigError::BurstNotApplicable(Algorithm::SlidingWindow))
+        ));
+        assert!(matches!(
+            Quota::per_second(u64::MAX).build(),
+            Err(ConfigError::Overflow { .. })
+        ));
+        assert!(matches!(
+            Quota::per_day(1 << 40).build(),
+            Err(ConfigError::Overflow { .. })
+        ));
+        assert!(matches!(
+            Quota::per_second(2_000_000)
+                .algorithm(Algorithm::Gcra)
+                .build(),
+            Err(ConfigError::RateTooHigh { .. })
+        ));
+        assert!(matches!(
+            Quota::new(1 << 40, Duration::from_millis(86_400_001))
+                .algorithm(Algorithm::TokenBucket)
+                .build(),
+            Err(ConfigError::Overflow { .. })
+        ));
+        let err = Quota::per_day(100_000)
+            .algorithm(Algorithm::SlidingLog)
+            .build()
+            .unwrap_err();
+        assert_eq!(
+            err,
+            ConfigError::LogTooLong {
+                limit: 100_000,
+                cap: DEFAULT_MAX_LOG_LEN
+            }
+        );
+        assert!(err.to_string().contains("max_log_len"));
+        assert!(Quota::per_day(100_000)
+            .algorithm(Algorithm::SlidingLog)
+            .max_log_len(100_000)
+            .build()
+            .is_ok());
+    }
+
+    #[test]
+    fn algorithm_names_round_trip() {
+        for a in Algorithm::ALL {
+            assert_eq!(a.name().parse::<Algorithm>().unwrap(), a);
+        }
+        assert!("leaky".parse::<Algorithm>().is_err());
+    }
+}
