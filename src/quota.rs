@@ -124,6 +124,8 @@ pub struct Quota {
 
 impl Quota {
     /// `limit` permits per `period`.
+    // Returns the builder: every quota is validated by `build` before it can be used.
+    #[allow(clippy::new_ret_no_self)]
     pub fn new(limit: u64, period: Duration) -> QuotaBuilder {
         QuotaBuilder {
             limit,
@@ -338,7 +340,10 @@ mod tests {
             assert_eq!(q.burst(), 100);
             assert_eq!(q.algorithm(), algorithm);
         }
-        let q = Quota::per_second(3).algorithm(Algorithm::Gcra).build().unwrap();
+        let q = Quota::per_second(3)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
         assert_eq!(q.emission_us(), 333_334, "rounded up, never faster");
     }
 

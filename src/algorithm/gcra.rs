@@ -40,10 +40,7 @@ impl Gcra {
     }
 
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, cost: u64) {
-        self.tat = self
-            .tat
-            .saturating_sub(cost * quota.emission_us())
-            .max(now);
+        self.tat = self.tat.saturating_sub(cost * quota.emission_us()).max(now);
     }
 
     pub(crate) fn expires_at(&self) -> u64 {

@@ -74,11 +74,9 @@ impl SlidingWindow {
         }
         // Otherwise in the next window, where this window's count becomes the previous one:
         // current × (P − e) ≤ (limit − cost) × P. At e = P this is the window after that.
-        let e = if self.current == 0 {
-            0
-        } else {
-            p_ms - ((limit - cost) * p_ms / self.current).min(p_ms)
-        };
+        let e = ((limit - cost) * p_ms)
+            .checked_div(self.current)
+            .map_or(0, |room| p_ms - room.min(p_ms));
         self.start + period + e * 1000
     }
 

@@ -16,7 +16,12 @@ pub(crate) fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
-pub(crate) fn quota_of(algorithm: Algorithm, limit: u64, period_ms: u64, burst: Option<u64>) -> Quota {
+pub(crate) fn quota_of(
+    algorithm: Algorithm,
+    limit: u64,
+    period_ms: u64,
+    burst: Option<u64>,
+) -> Quota {
     let mut b = Quota::new(limit, ms(period_ms)).algorithm(algorithm);
     if let Some(burst) = burst {
         b = b.burst(burst);

@@ -118,7 +118,10 @@ mod tests {
         let mut s = Sim::new(&q, T0);
         assert!(s.consume(1).allowed);
         let d = s.consume(1);
-        assert_eq!(d.retry_after, Some(std::time::Duration::from_micros(333_334)));
+        assert_eq!(
+            d.retry_after,
+            Some(std::time::Duration::from_micros(333_334))
+        );
         assert_retry_is_exact(&s, 1);
     }
 

@@ -74,14 +74,18 @@ impl PeerIp {
         self
     }
 
-    /// The peer address recorded in the request's extensions, if any.
+    /// The peer address recorded in the request's extensions, if any: axum's `ConnectInfo`
+    /// (or its `MockConnectInfo`, so users' router tests work), else a `SocketAddr`.
     pub fn peer_addr(parts: &Parts) -> Option<IpAddr> {
         #[cfg(feature = "axum")]
-        if let Some(info) = parts
-            .extensions
-            .get::<axum::extract::ConnectInfo<SocketAddr>>()
         {
-            return Some(info.0.ip());
+            use axum::extract::connect_info::{ConnectInfo, MockConnectInfo};
+            if let Some(info) = parts.extensions.get::<ConnectInfo<SocketAddr>>() {
+                return Some(info.0.ip());
+            }
+            if let Some(info) = parts.extensions.get::<MockConnectInfo<SocketAddr>>() {
+                return Some(info.0.ip());
+            }
         }
         parts.extensions.get::<SocketAddr>().map(|a| a.ip())
     }

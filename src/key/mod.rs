@@ -69,7 +69,7 @@ impl Key {
         b.put_u8(TAG_IP);
         // Writing into a BytesMut cannot fail.
         let _ = fmt::Write::write_fmt(&mut BytesWriter(&mut b), format_args!("{ip}"));
-        if let IpAddr::V6(_) = ip {
+        if ip.is_ipv6() {
             let _ = fmt::Write::write_fmt(&mut BytesWriter(&mut b), format_args!("/{ipv6_prefix}"));
         }
         Key(b.freeze())
@@ -182,7 +182,10 @@ mod tests {
         assert_ne!(a, b);
         // A short key equal to a digest's bytes is still a different key (different tag).
         assert_ne!(Key::new(&a.as_bytes()[1..]), a);
-        assert_eq!(Key::new(vec![b'x'; MAX_KEY_LEN]).as_bytes().len(), MAX_KEY_LEN + 1);
+        assert_eq!(
+            Key::new(vec![b'x'; MAX_KEY_LEN]).as_bytes().len(),
+            MAX_KEY_LEN + 1
+        );
     }
 
     #[test]
@@ -194,7 +197,10 @@ mod tests {
         assert_ne!(Key::from(a), Key::from(c));
         assert_ne!(Key::from_ip(a, 128), Key::from_ip(b, 128));
         let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
-        assert_eq!(Key::from(mapped), Key::from("10.0.0.1".parse::<IpAddr>().unwrap()));
+        assert_eq!(
+            Key::from(mapped),
+            Key::from("10.0.0.1".parse::<IpAddr>().unwrap())
+        );
     }
 
     #[test]
@@ -202,6 +208,8 @@ mod tests {
         let k = Key::new("sk_live_secret");
         let shown = format!("{k:?}");
         assert!(!shown.contains("secret"), "{shown}");
-        assert!(format!("{:?}", Key::from("1.2.3.4".parse::<IpAddr>().unwrap())).contains("1.2.3.4"));
+        assert!(
+            format!("{:?}", Key::from("1.2.3.4".parse::<IpAddr>().unwrap())).contains("1.2.3.4")
+        );
     }
 }

@@ -133,10 +133,7 @@ where
                     if let Some(config) = this.config.as_ref() {
                         config.headers.write(decision, &mut parts.headers);
                     }
-                    return Poll::Ready(Ok(Response::from_parts(
-                        parts,
-                        ResponseBody::inner(body),
-                    )));
+                    return Poll::Ready(Ok(Response::from_parts(parts, ResponseBody::inner(body))));
                 }
                 StateProj::Answered { response } => {
                     let response = response

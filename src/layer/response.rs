@@ -5,8 +5,8 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
-use bytes::Bytes;
 use crate::Decision;
+use bytes::Bytes;
 
 /// Which rate-limit headers to put on responses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -32,7 +32,11 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
 /// Whole milliseconds, rounded up.
 pub(crate) fn ceil_millis(d: Duration) -> u64 {
     let ms = d.as_millis();
-    let ms = if d.as_nanos() % 1_000_000 != 0 { ms + 1 } else { ms };
+    let ms = if d.as_nanos() % 1_000_000 != 0 {
+        ms + 1
+    } else {
+        ms
+    };
     u64::try_from(ms).unwrap_or(u64::MAX)
 }
 
@@ -102,7 +106,12 @@ mod tests {
 
     #[test]
     fn retry_after_never_zero() {
-        let d = Decision::deny(1, 0, Duration::from_millis(3), Some(Duration::from_micros(10)));
+        let d = Decision::deny(
+            1,
+            0,
+            Duration::from_millis(3),
+            Some(Duration::from_micros(10)),
+        );
         let r = denied(&d);
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()[RETRY_AFTER], "1");

@@ -62,7 +62,10 @@ impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryStore")
             .field("shards", &self.inner.shards.len())
-            .field("max_keys", &(self.inner.shard_capacity * self.inner.shards.len()))
+            .field(
+                "max_keys",
+                &(self.inner.shard_capacity * self.inner.shards.len()),
+            )
             .field("clock", &self.inner.clock)
             .finish()
     }
@@ -88,11 +91,7 @@ impl MemoryStore {
 
     /// How many (rule, key) entries are held right now.
     pub fn len(&self) -> usize {
-        self.inner
-            .shards
-            .iter()
-            .map(|s| lock(s).table.len())
-            .sum()
+        self.inner.shards.iter().map(|s| lock(s).table.len()).sum()
     }
 
     /// Whether no entry is held.
@@ -389,7 +388,16 @@ mod tests {
         let a = rule("a", Algorithm::FixedWindow, 1);
         let b = rule("b", Algorithm::FixedWindow, 1);
         let (k1, k2) = (Key::new("1"), Key::new("2"));
-        let one = |r, k| s.apply_now(Op::Consume, &[Check { rule: r, key: k, cost: 1 }])[0];
+        let one = |r, k| {
+            s.apply_now(
+                Op::Consume,
+                &[Check {
+                    rule: r,
+                    key: k,
+                    cost: 1,
+                }],
+            )[0]
+        };
         assert!(one(&a, &k1).allowed);
         assert!(!one(&a, &k1).allowed);
         assert!(one(&a, &k2).allowed);
@@ -404,8 +412,16 @@ mod tests {
         let narrow = rule("narrow", Algorithm::FixedWindow, 2);
         let (acct, ip) = (Key::new("acct"), Key::new("ip"));
         let checks = [
-            Check { rule: &wide, key: &acct, cost: 1 },
-            Check { rule: &narrow, key: &ip, cost: 1 },
+            Check {
+                rule: &wide,
+                key: &acct,
+                cost: 1,
+            },
+            Check {
+                rule: &narrow,
+                key: &ip,
+                cost: 1,
+            },
         ];
         for _ in 0..2 {
             assert!(s.apply_now(Op::Consume, &checks).iter().all(|d| d.allowed));
@@ -425,7 +441,13 @@ mod tests {
         let s = store(&clock, 100);
         let r = rule("r", Algorithm::TokenBucket, 5);
         let k = Key::new("k");
-        let check = |cost| [Check { rule: &r, key: &k, cost }];
+        let check = |cost| {
+            [Check {
+                rule: &r,
+                key: &k,
+                cost,
+            }]
+        };
         assert_eq!(s.apply_now(Op::Peek, &check(1))[0].remaining, 5);
         assert!(s.is_empty(), "a peek creates no state");
         assert_eq!(s.apply_now(Op::Consume, &check(3))[0].remaining, 2);
@@ -441,14 +463,28 @@ mod tests {
         let r = rule("r", Algorithm::Gcra, 10);
         for i in 0..5_000u32 {
             let k = Key::new(i.to_be_bytes());
-            s.apply_now(Op::Consume, &[Check { rule: &r, key: &k, cost: 1 }]);
+            s.apply_now(
+                Op::Consume,
+                &[Check {
+                    rule: &r,
+                    key: &k,
+                    cost: 1,
+                }],
+            );
             assert!(s.len() <= 1_000, "bounded at {} keys", s.len());
         }
         // Everything expires; new traffic sweeps it out.
         clock.advance(Duration::from_secs(2));
         for i in 0..100u32 {
             let k = Key::new(format!("new-{i}"));
-            s.apply_now(Op::Consume, &[Check { rule: &r, key: &k, cost: 1 }]);
+            s.apply_now(
+                Op::Consume,
+                &[Check {
+                    rule: &r,
+                    key: &k,
+                    cost: 1,
+                }],
+            );
         }
         assert!(s.len() <= 100, "expired entries swept, {} left", s.len());
     }
@@ -458,16 +494,44 @@ mod tests {
         let clock = ManualClock::default();
         let s = store(&clock, 64);
         let short = rule("short", Algorithm::FixedWindow, 5);
-        let long = Rule::new("long", Quota::per_hour(5).algorithm(Algorithm::FixedWindow).build().unwrap()).unwrap();
+        let long = Rule::new(
+            "long",
+            Quota::per_hour(5)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
         let hot = Key::new("hot");
         for _ in 0..5 {
-            s.apply_now(Op::Consume, &[Check { rule: &long, key: &hot, cost: 1 }]);
+            s.apply_now(
+                Op::Consume,
+                &[Check {
+                    rule: &long,
+                    key: &hot,
+                    cost: 1,
+                }],
+            );
         }
         for i in 0..1_000u32 {
             let k = Key::new(i.to_be_bytes());
-            s.apply_now(Op::Consume, &[Check { rule: &short, key: &k, cost: 1 }]);
+            s.apply_now(
+                Op::Consume,
+                &[Check {
+                    rule: &short,
+                    key: &k,
+                    cost: 1,
+                }],
+            );
         }
-        let d = s.apply_now(Op::Consume, &[Check { rule: &long, key: &hot, cost: 1 }]);
+        let d = s.apply_now(
+            Op::Consume,
+            &[Check {
+                rule: &long,
+                key: &hot,
+                cost: 1,
+            }],
+        );
         assert!(!d[0].allowed, "the long-lived entry survived the spray");
     }
 }

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs the whole test suite. Integration tests start their own redis-server processes on free
+# loopback ports, so redis-server and redis-cli must be installed; this script installs Debian's
+# redis-server package when they are missing and it can.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing redis-server and redis-cli (Debian package redis-server)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "test.sh: redis-server and redis-cli are needed: install Debian's redis-server package" >&2
+    echo "         (sudo apt-get install redis-server) or your system's equivalent." >&2
+    exit 1
+  fi
+fi
+
+cargo test --all-features "$@"

@@ -1,0 +1,253 @@
+//! The layer inside real axum routers: headers on every response, the 429, the key fallback.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::connect_info::MockConnectInfo;
+use axum::http::{Request, StatusCode};
+use axum::{routing::get, Router};
+use fleetlimit::{
+    key, Algorithm, Key, Limiter, ManualClock, MemoryStore, Quota, RateLimitLayer, Rule,
+};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+fn limiter(clock: &ManualClock, quota: Quota) -> Limiter {
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    Limiter::builder(store)
+        .rule(Rule::new("test", quota).unwrap())
+        .build()
+        .unwrap()
+}
+
+fn app(layer: RateLimitLayer) -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route(
+            "/fail",
+            get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "boom") }),
+        )
+        .layer(layer)
+}
+
+fn api_key_layer(limiter: Limiter) -> RateLimitLayer {
+    RateLimitLayer::new(limiter).key(key::from_fn(|parts| {
+        parts
+            .headers
+            .get("x-api-key")
+            .map(|v| Key::new(v.as_bytes()))
+    }))
+}
+
+async fn get_with(app: &Router, path: &str, api_key: Option<&str>) -> axum::response::Response {
+    let mut req = Request::get(path);
+    if let Some(k) = api_key {
+        req = req.header("x-api-key", k);
+    }
+    app.clone()
+        .oneshot(req.body(Body::empty()).unwrap())
+        .await
+        .unwrap()
+}
+
+fn header(r: &axum::response::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+}
+
+async fn body_json(r: axum::response::Response) -> serde_json::Value {
+    let bytes = r.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[tokio::test]
+async fn headers_on_allowed_denied_and_inner_error_responses() {
+    let clock = ManualClock::default();
+    let quota = Quota::per_second(2)
+        .algorithm(Algorithm::FixedWindow)
+        .build()
+        .unwrap();
+    let app = app(api_key_layer(limiter(&clock, quota)));
+    clock.advance(Duration::from_millis(400));
+
+    let r = get_with(&app, "/", Some("a")).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(header(&r, "ratelimit-limit").as_deref(), Some("2"));
+    assert_eq!(header(&r, "ratelimit-remaining").as_deref(), Some("1"));
+    assert_eq!(
+        header(&r, "ratelimit-reset").as_deref(),
+        Some("1"),
+        "0.6 s rounds up"
+    );
+    assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+
+    let r = get_with(&app, "/fail", Some("a")).await;
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(header(&r, "ratelimit-remaining").as_deref(), Some("0"));
+
+    let r = get_with(&app, "/", Some("a")).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&r, "ratelimit-limit").as_deref(), Some("2"));
+    assert_eq!(header(&r, "ratelimit-remaining").as_deref(), Some("0"));
+    assert_eq!(header(&r, "retry-after").as_deref(), Some("1"));
+    assert_eq!(
+        header(&r, "content-type").as_deref(),
+        Some("application/json")
+    );
+    let body = body_json(r).await;
+    assert_eq!(body["error"], "rate_limited");
+    assert_eq!(body["retry_after_ms"], 600);
+
+    // Another key is untouched.
+    assert_eq!(
+        get_with(&app, "/", Some("b")).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn retry_after_rounds_up_to_whole_seconds() {
+    let clock = ManualClock::default();
+    // One permit per 2.5 s: the first denial waits 2.5 s, announced as 3.
+    let quota = Quota::new(2, Duration::from_secs(5))
+        .algorithm(Algorithm::Gcra)
+        .burst(1)
+        .build()
+        .unwrap();
+    let app = app(api_key_layer(limiter(&clock, quota)));
+    assert_eq!(
+        get_with(&app, "/", Some("k")).await.status(),
+        StatusCode::OK
+    );
+    let r = get_with(&app, "/", Some("k")).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&r, "retry-after").as_deref(), Some("3"));
+    assert_eq!(body_json(r).await["retry_after_ms"], 2500);
+
+    // 1 ms before the retry time: still denied; at it: admitted. Never a "Retry-After: 0".
+    clock.advance(Duration::from_millis(2499));
+    let r = get_with(&app, "/", Some("k")).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&r, "retry-after").as_deref(), Some("1"));
+    assert_eq!(body_json(r).await["retry_after_ms"], 1);
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(
+        get_with(&app, "/", Some("k")).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn falls_back_to_peer_ip_and_the_extractor_wins_when_it_has_a_key() {
+    let clock = ManualClock::default();
+    let quota = Quota::per_minute(1).build().unwrap();
+    let app = app(api_key_layer(limiter(&clock, quota)))
+        .layer(MockConnectInfo(SocketAddr::from(([10, 0, 0, 1], 4000))));
+
+    // No API key: keyed by 10.0.0.1.
+    assert_eq!(get_with(&app, "/", None).await.status(), StatusCode::OK);
+    assert_eq!(
+        get_with(&app, "/", None).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Same peer, with an API key: the extractor's key counts, fresh bucket.
+    assert_eq!(
+        get_with(&app, "/", Some("key-1")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        get_with(&app, "/", Some("key-1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // An API key that happens to equal the peer address text is still its own bucket.
+    assert_eq!(
+        get_with(&app, "/", Some("10.0.0.1")).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn no_key_at_all_is_a_loud_error_not_a_shared_bucket() {
+    let clock = ManualClock::default();
+    let quota = Quota::per_minute(100).build().unwrap();
+    let app = app(RateLimitLayer::new(limiter(&clock, quota)));
+    let r = get_with(&app, "/", None).await;
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(body_json(r).await["error"], "no_rate_limit_key");
+}
+
+#[tokio::test]
+async fn cost_beyond_capacity_says_never() {
+    let clock = ManualClock::default();
+    let quota = Quota::per_minute(5).build().unwrap();
+    let l = limiter(&clock, quota);
+    let d = l.consume(&Key::new("x"), 6).await.unwrap();
+    assert!(d.never_admissible());
+    assert!(
+        l.consume(&Key::new("x"), 0).await.is_err(),
+        "zero cost is an error"
+    );
+}
+
+#[tokio::test]
+async fn clones_of_the_service_share_one_limit() {
+    let clock = ManualClock::default();
+    let quota = Quota::per_minute(3)
+        .algorithm(Algorithm::SlidingLog)
+        .build()
+        .unwrap();
+    let app = app(api_key_layer(limiter(&clock, quota)));
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        // Each oneshot runs on a fresh clone of the router and its layers.
+        statuses.push(get_with(&app, "/", Some("shared")).await.status());
+    }
+    let ok = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    assert_eq!(ok, 3, "{statuses:?}");
+}
+
+/// A real server on loopback, with axum's connect info: the peer-address fallback end to end.
+#[tokio::test]
+async fn real_server_over_tcp() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let quota = Quota::per_minute(2).build().unwrap();
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(Rule::new("tcp", quota).unwrap())
+        .build()
+        .unwrap();
+    let app = app(RateLimitLayer::new(limiter));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap();
+    });
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = String::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut response))
+            .await
+            .unwrap()
+            .unwrap();
+        let lower = response.to_ascii_lowercase();
+        assert!(lower.contains("ratelimit-remaining:"), "{response}");
+        statuses.push(response.lines().next().unwrap_or_default().to_owned());
+    }
+    server.abort();
+    assert!(
+        statuses[0].contains("200") && statuses[1].contains("200"),
+        "{statuses:?}"
+    );
+    assert!(statuses[2].contains("429"), "{statuses:?}");
+}
