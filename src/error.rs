@@ -96,6 +96,9 @@ pub enum StoreError {
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// The configuration is invalid (reported when building, never on a request).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     /// The store failed and the outage policy says to surface the failure.
     #[error(transparent)]
     Store(#[from] StoreError),

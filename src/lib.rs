@@ -61,4 +61,4 @@ pub use layer::{HeaderStyle, RateLimitLayer};
 pub use limiter::{Limiter, LimiterBuilder};
 pub use quota::{Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_PERIOD};
 pub use rule::Rule;
-pub use store::{MemoryStore, Store};
+pub use store::{MemoryStore, RedisStore, Store};

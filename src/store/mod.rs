@@ -11,7 +11,9 @@ use std::pin::Pin;
 use crate::{Decision, Key, Rule, StoreError};
 
 pub mod memory;
+pub mod redis;
 
+pub use self::redis::{RedisStore, RedisStoreBuilder};
 pub use memory::MemoryStore;
 
 /// A boxed future, as returned by [`Store`] methods.

@@ -20,16 +20,16 @@
 //! let server = RedisServer::start();
 //! assert_eq!(server.cmd(&["DBSIZE"]).unwrap().as_int(), Some(0));
 //!
-//! let cluster = RedisCluster::start(); // about 3 s: `redis-cli --cluster create` is slow
+//! let cluster = RedisCluster::start(); // 2-3 s: `redis-cli --cluster create` is slow
 //! let slot = cluster.keyslot(b"user:1");
 //! let owner = cluster.node_for_slot(slot);
 //! ```
 
-use std::collections::BTreeSet;
 use std::collections::hash_map::RandomState;
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::hash::{BuildHasher, Hasher};
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -202,8 +202,9 @@ impl RespValue {
 /// `timeout` bounds the connect and every read and write, so a paused or dead server yields
 /// an `Err` instead of a hang.
 pub fn resp_command(addr: &str, args: &[&[u8]], timeout: Duration) -> Result<RespValue, String> {
-    let socket: SocketAddr =
-        addr.parse().map_err(|e| format!("invalid address {addr:?}: {e}"))?;
+    let socket: SocketAddr = addr
+        .parse()
+        .map_err(|e| format!("invalid address {addr:?}: {e}"))?;
     // A zero timeout is rejected by the socket options.
     let timeout = timeout.max(Duration::from_millis(1));
     let mut stream = TcpStream::connect_timeout(&socket, timeout)
@@ -242,12 +243,17 @@ const MAX_BULK_LEN: usize = 512 * 1024 * 1024;
 /// Reads one `\r\n`-terminated line, without the terminator.
 fn read_line<R: BufRead>(reader: &mut R) -> Result<String, String> {
     let mut line = Vec::new();
-    let n = reader.read_until(b'\n', &mut line).map_err(|e| e.to_string())?;
+    let n = reader
+        .read_until(b'\n', &mut line)
+        .map_err(|e| e.to_string())?;
     if n == 0 {
         return Err("connection closed by the server".to_owned());
     }
     if !line.ends_with(b"\r\n") {
-        return Err(format!("truncated RESP line {:?}", String::from_utf8_lossy(&line)));
+        return Err(format!(
+            "truncated RESP line {:?}",
+            String::from_utf8_lossy(&line)
+        ));
     }
     line.truncate(line.len() - 2);
     Ok(String::from_utf8_lossy(&line).into_owned())
@@ -255,7 +261,9 @@ fn read_line<R: BufRead>(reader: &mut R) -> Result<String, String> {
 
 /// Parses the length of a bulk string or array; `None` for the null (`-1`) length.
 fn parse_length(text: &str, limit: usize) -> Result<Option<usize>, String> {
-    let length: i64 = text.parse().map_err(|e| format!("bad RESP length {text:?}: {e}"))?;
+    let length: i64 = text
+        .parse()
+        .map_err(|e| format!("bad RESP length {text:?}: {e}"))?;
     if length < 0 {
         return Ok(None);
     }
@@ -329,7 +337,9 @@ fn ping(addr: &str, timeout: Duration) -> bool {
 /// The PID of the server answering on `addr`, from `INFO server`.
 fn server_pid(addr: &str, timeout: Duration) -> Result<u32, String> {
     let reply = resp_command(addr, &[b"INFO".as_slice(), b"server".as_slice()], timeout)?;
-    let text = reply.as_str().ok_or_else(|| format!("unexpected INFO reply {reply:?}"))?;
+    let text = reply
+        .as_str()
+        .ok_or_else(|| format!("unexpected INFO reply {reply:?}"))?;
     info_field(text, "process_id")
         .and_then(|pid| pid.parse().ok())
         .ok_or_else(|| "INFO server has no process_id".to_owned())
@@ -427,7 +437,9 @@ fn read_lossy_from(path: &Path, offset: u64) -> String {
     let Ok(bytes) = fs::read(path) else {
         return String::new();
     };
-    let start = usize::try_from(offset).unwrap_or(usize::MAX).min(bytes.len());
+    let start = usize::try_from(offset)
+        .unwrap_or(usize::MAX)
+        .min(bytes.len());
     String::from_utf8_lossy(&bytes[start..]).into_owned()
 }
 
@@ -631,7 +643,10 @@ impl RedisServer {
             // already written a nodes.conf.
             if let Err(e) = reset_dir(&dir) {
                 release_port(port, cluster);
-                panic!("cannot create redis working directory {}: {e}", dir.display());
+                panic!(
+                    "cannot create redis working directory {}: {e}",
+                    dir.display()
+                );
             }
             match launch(port, &dir, &log_path, &extra_args) {
                 Ok(child) => {
@@ -723,7 +738,11 @@ impl RedisServer {
     ///
     /// If the process has not exited within 5 s of `SIGKILL`.
     pub fn kill(&mut self) {
-        let child = self.child.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        let child = self
+            .child
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         self.paused.store(false, Ordering::SeqCst);
         if let Some(mut child) = child {
             if !kill_and_reap(&mut child) {
@@ -743,7 +762,10 @@ impl RedisServer {
     /// If the server is not running or the signal cannot be sent.
     pub fn pause(&self) {
         if !self.signal("STOP") {
-            panic!("cannot pause redis-server on port {}: it is not running", self.port);
+            panic!(
+                "cannot pause redis-server on port {}: it is not running",
+                self.port
+            );
         }
         self.paused.store(true, Ordering::SeqCst);
     }
@@ -810,7 +832,10 @@ impl RedisServer {
                     thread::sleep(RESTART_BACKOFF);
                 }
                 Err(LaunchError::Fatal(message)) => {
-                    panic!("redis-server failed to restart on port {}: {message}", self.port);
+                    panic!(
+                        "redis-server failed to restart on port {}: {message}",
+                        self.port
+                    );
                 }
             }
         }
@@ -845,7 +870,10 @@ impl RedisServer {
         let reply = self.cmd(&["INFO", section])?;
         match reply.as_str() {
             Some(text) => Ok(text.to_owned()),
-            None => Err(format!("unexpected INFO reply from {}: {reply:?}", self.addr())),
+            None => Err(format!(
+                "unexpected INFO reply from {}: {reply:?}",
+                self.addr()
+            )),
         }
     }
 
@@ -859,7 +887,11 @@ impl Drop for RedisServer {
     /// Kills the process by PID (bounded wait, never hangs, also when paused), releases the
     /// port and removes the working directory.
     fn drop(&mut self) {
-        let child = self.child.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        let child = self
+            .child
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         if let Some(mut child) = child {
             // Panicking in drop could abort the test binary: a stuck process is only leaked.
             let _ = kill_and_reap(&mut child);
@@ -915,7 +947,11 @@ fn slot_ranges(node: &RedisServer) -> Result<Vec<SlotRange>, String> {
         };
         match parsed {
             Some(((start, end), port)) => ranges.push(SlotRange { start, end, port }),
-            None => return Err(format!("malformed CLUSTER SLOTS entry from {addr}: {entry:?}")),
+            None => {
+                return Err(format!(
+                    "malformed CLUSTER SLOTS entry from {addr}: {entry:?}"
+                ))
+            }
         }
     }
     Ok(ranges)
@@ -934,8 +970,10 @@ pub struct RedisCluster {
 }
 
 impl RedisCluster {
-    /// Starts a 3-master cluster with a 2 s node timeout and waits until it is healthy
-    /// (takes about 3 s, mostly inside `redis-cli --cluster create`).
+    /// Starts a 3-master cluster with a 2 s node timeout and waits until it is healthy.
+    ///
+    /// Takes 2-3 s: `redis-cli --cluster create` polls the join once a second (1-3 s), and
+    /// the other nodes need about another second of gossip to see the full slot map.
     ///
     /// # Panics
     ///
@@ -954,7 +992,9 @@ impl RedisCluster {
                 .map(|_| RedisServer::start_cluster_node(node_timeout_ms))
                 .collect();
             let cluster = RedisCluster { nodes };
-            match cluster.create().and_then(|()| cluster.wait_until_healthy(CLUSTER_READY_TIMEOUT))
+            match cluster
+                .create()
+                .and_then(|()| cluster.wait_until_healthy(CLUSTER_READY_TIMEOUT))
             {
                 Ok(()) => return cluster,
                 // Dropping `cluster` kills the nodes before the next attempt.
@@ -973,8 +1013,9 @@ impl RedisCluster {
         let log_path = first.dir().join("cluster-create.log");
         let log = File::create(&log_path)
             .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
-        let log_for_stderr =
-            log.try_clone().map_err(|e| format!("cannot duplicate the log file handle: {e}"))?;
+        let log_for_stderr = log
+            .try_clone()
+            .map_err(|e| format!("cannot duplicate the log file handle: {e}"))?;
         let mut child = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(self.addrs())
@@ -1043,16 +1084,27 @@ impl RedisCluster {
                 .ok_or_else(|| format!("node {i}: unexpected CLUSTER INFO reply {reply:?}"))?;
             let state = info_field(info, "cluster_state");
             if state != Some("ok") {
-                return Err(format!("node {i} ({}) has cluster_state {state:?}", node.addr()));
+                return Err(format!(
+                    "node {i} ({}) has cluster_state {state:?}",
+                    node.addr()
+                ));
             }
             let ranges = slot_ranges(node)?;
-            let covered: u32 =
-                ranges.iter().map(|r| u32::from(r.end) - u32::from(r.start) + 1).sum();
+            let covered: u32 = ranges
+                .iter()
+                .map(|r| u32::from(r.end) - u32::from(r.start) + 1)
+                .sum();
             if covered != u32::from(CLUSTER_SLOTS) {
-                return Err(format!("node {i} ({}) sees {covered} slots covered", node.addr()));
+                return Err(format!(
+                    "node {i} ({}) sees {covered} slots covered",
+                    node.addr()
+                ));
             }
             if let Some(stranger) = ranges.iter().find(|r| self.index_of_port(r.port).is_none()) {
-                return Err(format!("node {i} ({}) maps slots to a foreign node: {stranger:?}", node.addr()));
+                return Err(format!(
+                    "node {i} ({}) maps slots to a foreign node: {stranger:?}",
+                    node.addr()
+                ));
             }
             checked += 1;
         }
@@ -1110,7 +1162,10 @@ impl RedisCluster {
     ///
     /// If `slot` is not below 16384, no node answers, or the slot is unassigned.
     pub fn node_for_slot(&self, slot: u16) -> usize {
-        assert!(slot < CLUSTER_SLOTS, "hash slot {slot} is out of range (0..16384)");
+        assert!(
+            slot < CLUSTER_SLOTS,
+            "hash slot {slot} is out of range (0..16384)"
+        );
         let ranges = self.slot_map();
         ranges
             .iter()

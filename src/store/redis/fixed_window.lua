@@ -1,0 +1,42 @@
+-- Fixed window: src/algorithm/fixed_window.rs, line for line. State: HASH { s = start, c = count }.
+local fixed_window = {}
+
+function fixed_window.load(key)
+  local v = hash_numbers(key, { 's', 'c' })
+  return { key = key, start = v[1] or 0, count = v[2] or 0 }
+end
+
+function fixed_window.decide(st, now, q, cost)
+  local period, limit = q.period, q.limit
+  local window = now - (now % period)
+  if window > st.start then
+    st.start = window
+    st.count = 0
+  end
+  local to_end = math.max(st.start + period - now, 0)
+  local remaining = math.max(limit - st.count, 0)
+  local reset_after = to_end
+  if st.count == 0 then reset_after = 0 end
+  if cost > limit then return { 0, limit, remaining, reset_after, -1 } end
+  if st.count + cost <= limit then
+    return { 1, limit, remaining - cost, to_end, -1 }
+  end
+  return { 0, limit, remaining, reset_after, to_end }
+end
+
+function fixed_window.commit(st, now, q, cost)
+  st.count = st.count + cost
+end
+
+function fixed_window.refund(st, now, q, cost)
+  st.count = math.max(st.count - cost, 0)
+end
+
+function fixed_window.save(st, now, q)
+  local expires_at = 0
+  if st.count > 0 then expires_at = st.start + q.period end
+  if expires_at > now then
+    redis.call('HSET', st.key, 's', int(st.start), 'c', int(st.count))
+  end
+  expire_at(st.key, expires_at, now)
+end

@@ -1,0 +1,101 @@
+//! Redis key names and cluster slots.
+
+use crate::{Algorithm, Key, Rule};
+
+/// `<prefix>{<rule>:<key>}:<algorithm>`, with rule and key percent-encoded: every byte outside
+/// `[A-Za-z0-9._-]` becomes `%XX`. The encoding is injective and never yields `{`, `}` or `:`,
+/// so the hash tag is exactly the (rule, key) pair and different pairs never share a key.
+pub(crate) fn redis_key(prefix: &str, rule: &Rule, key: &Key) -> Vec<u8> {
+    let key_bytes = key.as_bytes();
+    let mut out = Vec::with_capacity(prefix.len() + rule.name().len() + 3 * key_bytes.len() + 8);
+    out.extend_from_slice(prefix.as_bytes());
+    out.push(b'{');
+    encode(rule.name().as_bytes(), &mut out);
+    out.push(b':');
+    encode(key_bytes, &mut out);
+    out.push(b'}');
+    out.extend_from_slice(match rule.quota().algorithm() {
+        Algorithm::FixedWindow => b":fw",
+        Algorithm::SlidingLog => b":sl",
+        Algorithm::SlidingWindow => b":sw",
+        Algorithm::TokenBucket => b":tb",
+        Algorithm::Gcra => b":gc",
+    });
+    out
+}
+
+fn encode(bytes: &[u8], out: &mut Vec<u8>) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-' {
+            out.push(b);
+        } else {
+            out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]);
+        }
+    }
+}
+
+/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag (or of the whole key when it
+/// has none), modulo 16384.
+pub fn slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .filter(|&close| close > 0)
+                .map(|close| &rest[..close])
+        })
+        .unwrap_or(key);
+    crc16(tagged) % 16384
+}
+
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Quota;
+
+    fn rule(name: &str) -> Rule {
+        Rule::new(name, Quota::per_second(1).build().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn slots_match_redis() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(slot(b"foo"), 12182);
+        assert_eq!(slot(b"{user1000}.following"), slot(b"{user1000}.followers"));
+        assert_eq!(
+            slot(b"foo{}{bar}"),
+            slot(b"foo{}{bar}"),
+            "empty tag: whole key"
+        );
+    }
+
+    #[test]
+    fn hostile_pairs_never_collide() {
+        let a = redis_key("p:", &rule("a"), &Key::new("b:c"));
+        let b = redis_key("p:", &rule("a:b"), &Key::new("c"));
+        assert_ne!(a, b);
+        let braces = redis_key("p:", &rule("r"), &Key::new("}{x"));
+        let tag_end = braces.iter().position(|&c| c == b'}').unwrap();
+        assert_eq!(&braces[tag_end..], b"}:sw", "no brace inside the tag");
+    }
+}

@@ -1,0 +1,484 @@
+//! The Redis store: every decision is one Lua script call, atomic inside Redis, on Redis's
+//! clock, on a standalone server or a cluster.
+//!
+//! The scripts (`*.lua` beside this file) are the same arithmetic as `src/algorithm/`, line for
+//! line; a differential test holds the two together. They are joined into one script at compile
+//! time and run with EVALSHA (loaded again on NOSCRIPT, as after a server restart).
+//!
+//! Key layout: `<prefix>{<rule>:<key>}:<algorithm>`. Rule and key are percent-encoded, so `:`,
+//! `{` and `}` never appear inside the hash tag and no two (rule, key) pairs share a Redis key;
+//! keys over 128 bytes were already replaced by their SHA-256 (see [`Key`](crate::Key)).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Script};
+
+use super::{BoxFuture, Check, Op, Store};
+use crate::algorithm::us;
+use crate::error::{ConfigError, Error};
+use crate::{Algorithm, Clock, Decision, StoreError};
+
+mod keys;
+
+use keys::redis_key;
+pub use keys::slot;
+
+/// The default deadline for one store call.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// The default key prefix.
+pub const DEFAULT_PREFIX: &str = "fleetlimit:";
+
+const SCRIPT: &str = concat!(
+    include_str!("prelude.lua"),
+    include_str!("fixed_window.lua"),
+    include_str!("sliding_log.lua"),
+    include_str!("sliding_window.lua"),
+    include_str!("token_bucket.lua"),
+    include_str!("gcra.lua"),
+    include_str!("apply.lua"),
+);
+
+/// A [`Store`] in Redis: standalone ([`connect`](RedisStore::connect)), Redis Cluster
+/// ([`cluster`](RedisStore::cluster)) or through a `deadpool-redis` pool
+/// ([`from_pool`](RedisStoreBuilder::pool)). Cheap to clone; clones share one connection.
+///
+/// ```no_run
+/// use fleetlimit::store::RedisStore;
+///
+/// # async fn run() -> Result<(), fleetlimit::Error> {
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// let cluster = RedisStore::cluster(&["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]).await?;
+/// # let _ = (store, cluster);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: Conn,
+    script: Script,
+    prefix: Box<str>,
+    timeout: Duration,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+enum Conn {
+    /// One multiplexed, pipelined connection that reconnects by itself.
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+    /// A user's pool: one connection is taken out and shared (multiplexed) until it fails, so
+    /// the hot path never pays a checkout.
+    Pool {
+        pool: deadpool_redis::Pool,
+        current: Mutex<Option<MultiplexedConnection>>,
+    },
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.inner.conn {
+            Conn::Single(_) => "standalone",
+            Conn::Cluster(_) => "cluster",
+            Conn::Pool { .. } => "pool",
+        };
+        f.debug_struct("RedisStore")
+            .field("kind", &kind)
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.timeout)
+            .field("explicit_clock", &self.inner.clock.is_some())
+            .finish()
+    }
+}
+
+/// Configures a [`RedisStore`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until it connects"]
+pub struct RedisStoreBuilder {
+    prefix: String,
+    timeout: Duration,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl Default for RedisStoreBuilder {
+    fn default() -> Self {
+        RedisStoreBuilder {
+            prefix: DEFAULT_PREFIX.into(),
+            timeout: DEFAULT_TIMEOUT,
+            clock: None,
+        }
+    }
+}
+
+impl RedisStoreBuilder {
+    /// Prefix every key (default `fleetlimit:`). Must not contain `{` or `}`, which would break
+    /// the hash tag that keeps a decision's keys on one cluster slot.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The deadline for each store call, connecting included (default 50 ms). A call that misses
+    /// it is a [`StoreError::Timeout`], never retried: the script may have run.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Pass time from this clock to the scripts instead of reading Redis's `TIME`. For
+    /// deterministic tests; in production the fleet should share Redis's one clock.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.prefix.contains(['{', '}']) {
+            return Err(ConfigError::Invalid {
+                setting: "prefix",
+                reason: format!("{:?} must not contain '{{' or '}}'", self.prefix),
+            });
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::Invalid {
+                setting: "timeout",
+                reason: "must be greater than zero".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn finish(self, conn: Conn) -> RedisStore {
+        RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                script: Script::new(SCRIPT),
+                prefix: self.prefix.into(),
+                timeout: self.timeout,
+                clock: self.clock,
+            }),
+        }
+    }
+
+    /// Connect to a standalone server (`redis://host:port[/db]`, `rediss://…`).
+    pub async fn connect(self, url: &str) -> Result<RedisStore, Error> {
+        self.validate()?;
+        let client = redis::Client::open(url).map_err(|e| ConfigError::Invalid {
+            setting: "url",
+            reason: e.to_string(),
+        })?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        let manager = tokio::time::timeout(
+            self.timeout.max(Duration::from_secs(2)),
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout.max(Duration::from_secs(2))))?
+        .map_err(store_error)?;
+        Ok(self.finish(Conn::Single(manager)))
+    }
+
+    /// Connect to a Redis Cluster through any of its nodes.
+    pub async fn cluster<U: AsRef<str>>(self, urls: &[U]) -> Result<RedisStore, Error> {
+        self.validate()?;
+        let nodes: Vec<&str> = urls.iter().map(AsRef::as_ref).collect();
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .connection_timeout(self.timeout.max(Duration::from_millis(250)))
+            .response_timeout(self.timeout)
+            .retries(1)
+            .build()
+            .map_err(|e| ConfigError::Invalid {
+                setting: "urls",
+                reason: e.to_string(),
+            })?;
+        let conn = tokio::time::timeout(
+            self.timeout.max(Duration::from_secs(5)),
+            client.get_async_connection(),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout.max(Duration::from_secs(5))))?
+        .map_err(store_error)?;
+        Ok(self.finish(Conn::Cluster(conn)))
+    }
+
+    /// Use connections from a `deadpool-redis` pool. One connection is checked out and shared
+    /// (it is multiplexed); a new one is checked out only after it fails.
+    pub fn pool(self, pool: deadpool_redis::Pool) -> Result<RedisStore, Error> {
+        self.validate()?;
+        Ok(self.finish(Conn::Pool {
+            pool,
+            current: Mutex::new(None),
+        }))
+    }
+}
+
+impl RedisStore {
+    /// Configure prefix, deadline and clock before connecting.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder::default()
+    }
+
+    /// Connect to a standalone server with the defaults.
+    pub async fn connect(url: &str) -> Result<RedisStore, Error> {
+        RedisStore::builder().connect(url).await
+    }
+
+    /// Connect to a Redis Cluster with the defaults.
+    pub async fn cluster<U: AsRef<str>>(urls: &[U]) -> Result<RedisStore, Error> {
+        RedisStore::builder().cluster(urls).await
+    }
+
+    /// Use a `deadpool-redis` pool with the defaults.
+    pub fn from_pool(pool: deadpool_redis::Pool) -> Result<RedisStore, Error> {
+        RedisStore::builder().pool(pool)
+    }
+
+    /// The Redis key holding `rule`'s state for `key` (for inspection and tests).
+    pub fn key_for(&self, rule: &crate::Rule, key: &crate::Key) -> Vec<u8> {
+        redis_key(&self.inner.prefix, rule, key)
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    fn is_cluster(&self) -> bool {
+        matches!(self.inner.conn, Conn::Cluster(_))
+    }
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Consume => "consume",
+        Op::Peek => "peek",
+        Op::Refund => "refund",
+    }
+}
+
+pub(crate) fn algorithm_code(a: Algorithm) -> u8 {
+    match a {
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingLog => 2,
+        Algorithm::SlidingWindow => 3,
+        Algorithm::TokenBucket => 4,
+        Algorithm::Gcra => 5,
+    }
+}
+
+fn store_error(e: RedisError) -> StoreError {
+    if e.is_timeout() {
+        StoreError::Timeout(Duration::ZERO)
+    } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
+        StoreError::Connection(e.to_string())
+    } else if matches!(
+        e.kind(),
+        redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+    ) {
+        StoreError::Script(e.to_string())
+    } else {
+        StoreError::Protocol(e.to_string())
+    }
+}
+
+impl Inner {
+    /// One script call for `checks`, within the deadline.
+    async fn invoke(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
+        let mut invocation = self.script.prepare_invoke();
+        for c in checks {
+            invocation.key(redis_key(&self.prefix, c.rule, c.key));
+        }
+        invocation.arg(op_name(op));
+        match &self.clock {
+            Some(clock) => invocation.arg(clock.now_us()),
+            None => invocation.arg(""),
+        };
+        for c in checks {
+            let q = c.rule.quota();
+            invocation
+                .arg(algorithm_code(q.algorithm()))
+                .arg(q.limit())
+                .arg(q.period_us())
+                .arg(q.burst())
+                .arg(q.emission_us())
+                .arg(q.token_units())
+                .arg(q.refill_units())
+                .arg(c.cost);
+        }
+        let call = async {
+            match &self.conn {
+                Conn::Single(manager) => {
+                    let mut conn = manager.clone();
+                    invocation.invoke_async::<Vec<i64>>(&mut conn).await
+                }
+                Conn::Cluster(cluster) => {
+                    let mut conn = cluster.clone();
+                    invocation.invoke_async::<Vec<i64>>(&mut conn).await
+                }
+                Conn::Pool { pool, current } => {
+                    let cached = current.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    let mut conn = match cached {
+                        Some(conn) => conn,
+                        None => {
+                            let fresh = pool.get().await.map_err(|e| {
+                                RedisError::from(std::io::Error::other(e.to_string()))
+                            })?;
+                            let conn = deadpool_redis::Connection::take(fresh);
+                            *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
+                            conn
+                        }
+                    };
+                    let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
+                    if let Err(e) = &result {
+                        if e.is_io_error()
+                            || e.is_connection_dropped()
+                            || e.is_unrecoverable_error()
+                        {
+                            *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                        }
+                    }
+                    result
+                }
+            }
+        };
+        let values = tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(|e| match store_error(e) {
+                StoreError::Timeout(_) => StoreError::Timeout(self.timeout),
+                other => other,
+            })?;
+        parse_decisions(&values, checks.len())
+    }
+}
+
+fn parse_decisions(values: &[i64], n: usize) -> Result<Vec<Decision>, StoreError> {
+    if values.len() != 5 * n {
+        return Err(StoreError::Protocol(format!(
+            "expected {} numbers from the script, got {}",
+            5 * n,
+            values.len()
+        )));
+    }
+    values
+        .chunks_exact(5)
+        .map(|v| {
+            let non_negative = |x: i64| {
+                u64::try_from(x)
+                    .map_err(|_| StoreError::Protocol(format!("negative value {x} in a decision")))
+            };
+            let (limit, remaining, reset) = (
+                non_negative(v[1])?,
+                non_negative(v[2])?,
+                non_negative(v[3])?,
+            );
+            let retry = if v[4] < 0 {
+                None
+            } else {
+                Some(us(v[4] as u64))
+            };
+            Ok(if v[0] == 1 {
+                Decision::admit(limit, remaining, us(reset))
+            } else {
+                Decision::deny(limit, remaining, us(reset), retry)
+            })
+        })
+        .collect()
+}
+
+impl RedisStore {
+    /// On a cluster, checks whose keys sit on different slots cannot share one script call.
+    /// They are consumed group by group; if a later group denies, the earlier groups are
+    /// refunded, so nothing is over-admitted (permits are briefly held, never granted twice).
+    async fn apply_across_slots(
+        &self,
+        op: Op,
+        checks: &[Check<'_>],
+    ) -> Result<Vec<Decision>, StoreError> {
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, c) in checks.iter().enumerate() {
+            let s = slot(&redis_key(&self.inner.prefix, c.rule, c.key));
+            match groups.iter_mut().find(|(g, _)| *g == s) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((s, vec![i])),
+            }
+        }
+        let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
+        let mut taken: Vec<usize> = Vec::new();
+        let mut denied = false;
+        for (_, members) in &groups {
+            let group: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
+            let group_op = if denied && op == Op::Consume {
+                Op::Peek
+            } else {
+                op
+            };
+            let decisions = self.inner.invoke(group_op, &group).await?;
+            let all_allowed = decisions.iter().all(|d| d.allowed);
+            for (&i, d) in members.iter().zip(decisions) {
+                out[i] = Some(d);
+            }
+            if group_op == Op::Consume {
+                if all_allowed {
+                    taken.extend(members);
+                } else {
+                    denied = true;
+                }
+            }
+        }
+        if denied && !taken.is_empty() {
+            let refunds: Vec<Check<'_>> = taken.iter().map(|&i| checks[i]).collect();
+            for c in &refunds {
+                // One call per check: each may sit on its own slot.
+                if let Err(error) = self.inner.invoke(Op::Refund, std::slice::from_ref(c)).await {
+                    tracing::warn!(%error, rule = c.rule.name(), "fleetlimit: refund after a cross-slot denial failed; permits stay taken until they expire");
+                }
+            }
+            for &i in &taken {
+                if let Some(d) = out[i].as_mut() {
+                    d.remaining += checks[i].cost;
+                }
+            }
+        }
+        out.into_iter()
+            .map(|d| d.ok_or_else(|| StoreError::Protocol("a check got no decision".into())))
+            .collect()
+    }
+}
+
+impl Store for RedisStore {
+    fn apply<'a>(
+        &'a self,
+        op: Op,
+        checks: &'a [Check<'a>],
+    ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
+        Box::pin(async move {
+            if checks.is_empty() {
+                return Ok(Vec::new());
+            }
+            if self.is_cluster() && checks.len() > 1 {
+                let first = slot(&redis_key(
+                    &self.inner.prefix,
+                    checks[0].rule,
+                    checks[0].key,
+                ));
+                let same_slot = checks[1..]
+                    .iter()
+                    .all(|c| slot(&redis_key(&self.inner.prefix, c.rule, c.key)) == first);
+                if !same_slot {
+                    return self.apply_across_slots(op, checks).await;
+                }
+            }
+            self.inner.invoke(op, checks).await
+        })
+    }
+}

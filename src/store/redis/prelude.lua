@@ -1,0 +1,29 @@
+-- fleetlimit: shared helpers for every algorithm. Numbers are doubles: every value a quota
+-- allows stays below 2^53, where integer arithmetic, floor(a / b) and ceil(a / b) are exact.
+
+local function ceil_div(a, b)
+  return math.ceil(a / b)
+end
+
+-- Numbers are written as integers, never in Lua's default "%.14g" (which would round them).
+local function int(n)
+  return string.format('%d', n)
+end
+
+-- Keep `key` until `expires_at` (µs, on the script's clock), or drop it when that has passed.
+local function expire_at(key, expires_at, now)
+  if expires_at > now then
+    redis.call('PEXPIRE', key, ceil_div(expires_at - now, 1000))
+  else
+    redis.call('DEL', key)
+  end
+end
+
+local function hash_numbers(key, fields)
+  local values = redis.call('HMGET', key, unpack(fields))
+  local out = {}
+  for i = 1, #fields do
+    out[i] = tonumber(values[i])
+  end
+  return out
+end

@@ -1,0 +1,66 @@
+-- Sliding window log: src/algorithm/sliding_log.rs, line for line.
+-- State: LIST of admission times (µs), oldest first; a request of cost c pushes c entries.
+local sliding_log = {}
+
+function sliding_log.load(key)
+  return { key = key }
+end
+
+-- Times never run backwards inside the log: a clock that stepped back reads as the newest entry.
+local function effective_now(st, now)
+  local last = tonumber(redis.call('LINDEX', st.key, -1))
+  if last ~= nil and last > now then return last, last end
+  return now, last
+end
+
+function sliding_log.decide(st, now, q, cost)
+  local period, limit = q.period, q.limit
+  local last
+  now, last = effective_now(st, now)
+  st.now = now
+  -- Forget expired entries: all at once when the newest has expired, else from the head.
+  if last ~= nil and last + period <= now then
+    redis.call('DEL', st.key)
+    last = nil
+  else
+    while true do
+      local head = tonumber(redis.call('LINDEX', st.key, 0))
+      if head == nil or head + period > now then break end
+      redis.call('LPOP', st.key)
+    end
+  end
+  local count = redis.call('LLEN', st.key)
+  local remaining = math.max(limit - count, 0)
+  local reset_after = 0
+  if last ~= nil then reset_after = last + period - now end
+  if cost > limit then return { 0, limit, remaining, reset_after, -1 } end
+  if count + cost <= limit then
+    return { 1, limit, remaining - cost, period, -1 }
+  end
+  local must_expire = count + cost - limit
+  local oldest = tonumber(redis.call('LINDEX', st.key, must_expire - 1))
+  return { 0, limit, remaining, reset_after, oldest + period - now }
+end
+
+function sliding_log.commit(st, now, q, cost)
+  local stamp = int(st.now)
+  local batch = {}
+  for i = 1, math.min(cost, 1000) do batch[i] = stamp end
+  local left = cost
+  while left > 0 do
+    local n = math.min(left, 1000)
+    redis.call('RPUSH', st.key, unpack(batch, 1, n))
+    left = left - n
+  end
+end
+
+function sliding_log.refund(st, now, q, cost)
+  local len = redis.call('LLEN', st.key)
+  if len > 0 then redis.call('RPOP', st.key, math.min(cost, len)) end
+end
+
+function sliding_log.save(st, now, q)
+  local last = tonumber(redis.call('LINDEX', st.key, -1))
+  if last == nil then return end
+  expire_at(st.key, last + q.period, now)
+end

@@ -1,0 +1,79 @@
+-- Sliding window counter: src/algorithm/sliding_window.rs, line for line.
+-- State: HASH { s = start of the current window, p = previous count, c = current count }.
+local sliding_window = {}
+
+function sliding_window.load(key)
+  local v = hash_numbers(key, { 's', 'p', 'c' })
+  return { key = key, start = v[1] or 0, previous = v[2] or 0, current = v[3] or 0 }
+end
+
+local function sw_reset_after(st, now, period)
+  local empty_from = now
+  if st.current > 0 then
+    empty_from = st.start + 2 * period
+  elseif st.previous > 0 then
+    empty_from = st.start + period
+  end
+  return math.max(empty_from - now, 0)
+end
+
+local function sw_retry_at(st, q, cost)
+  local period, limit = q.period, q.limit
+  local p_ms = period / 1000
+  if st.previous > 0 and st.current + cost <= limit then
+    local room = (limit - st.current - cost) * p_ms
+    local e = math.max(p_ms - math.floor(room / st.previous), 0)
+    if e < p_ms then return st.start + e * 1000 end
+  end
+  local e = 0
+  if st.current > 0 then
+    e = p_ms - math.min(math.floor((limit - cost) * p_ms / st.current), p_ms)
+  end
+  return st.start + period + e * 1000
+end
+
+function sliding_window.decide(st, now, q, cost)
+  local period, limit = q.period, q.limit
+  local p_ms = period / 1000
+  local window = now - (now % period)
+  if window > st.start then
+    if window == st.start + period then
+      st.previous = st.current
+    else
+      st.previous = 0
+    end
+    st.current = 0
+    st.start = window
+  end
+  local elapsed_ms = math.min(math.floor(math.max(now - st.start, 0) / 1000), p_ms)
+  local weighted = st.previous * (p_ms - elapsed_ms) + st.current * p_ms
+  local capacity = limit * p_ms
+  local remaining = math.floor(math.max(capacity - weighted, 0) / p_ms)
+  local reset_after = sw_reset_after(st, now, period)
+  if cost > limit then return { 0, limit, remaining, reset_after, -1 } end
+  if weighted + cost * p_ms <= capacity then
+    return { 1, limit, remaining - cost, math.max(st.start + 2 * period - now, 0), -1 }
+  end
+  return { 0, limit, remaining, reset_after, sw_retry_at(st, q, cost) - now }
+end
+
+function sliding_window.commit(st, now, q, cost)
+  st.current = st.current + cost
+end
+
+function sliding_window.refund(st, now, q, cost)
+  st.current = math.max(st.current - cost, 0)
+end
+
+function sliding_window.save(st, now, q)
+  local expires_at = 0
+  if st.current > 0 then
+    expires_at = st.start + 2 * q.period
+  elseif st.previous > 0 then
+    expires_at = st.start + q.period
+  end
+  if expires_at > now then
+    redis.call('HSET', st.key, 's', int(st.start), 'p', int(st.previous), 'c', int(st.current))
+  end
+  expire_at(st.key, expires_at, now)
+end

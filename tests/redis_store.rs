@@ -1,0 +1,643 @@
+//! The Redis store against real redis-server processes (standalone and a 3-master cluster)
+//! started by the test harness on free loopback ports.
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleetlimit::store::{Check, Op, RedisStore, Store};
+use fleetlimit::{Algorithm, Decision, Key, ManualClock, MemoryStore, Quota, Rule};
+use support::redis::{RedisCluster, RedisServer, RespValue};
+
+/// SplitMix64, so every run replays the same sequences.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn rule(
+    name: &str,
+    algorithm: Algorithm,
+    limit: u64,
+    period: Duration,
+    burst: Option<u64>,
+) -> Rule {
+    let mut q = Quota::new(limit, period).algorithm(algorithm);
+    if let Some(b) = burst {
+        q = q.burst(b);
+    }
+    Rule::new(name, q.build().unwrap()).unwrap()
+}
+
+/// Random quotas for one algorithm. Periods are long (≥ 10 s) so that Redis's real-time TTLs
+/// never expire a key while the logical clock stands still.
+fn random_rules(rng: &mut Rng, algorithm: Algorithm) -> Vec<Rule> {
+    (0..2)
+        .map(|i| {
+            let limit = 1 + rng.below(12);
+            let period = Duration::from_millis(10_000 + rng.below(50_000));
+            let burst = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra)
+                .then(|| 1 + rng.below(12));
+            rule(
+                &format!("{}-{i}", algorithm.name()),
+                algorithm,
+                limit,
+                period,
+                burst,
+            )
+        })
+        .collect()
+}
+
+/// The same random sequence of (op, key, cost, time) through the memory store and the Redis
+/// store (both on one manual clock) must give identical decisions, field by field.
+async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: usize) {
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let mut rng = Rng(seed);
+    let keys: Vec<Key> = (0..4).map(|i| Key::new(format!("k{i}:{{x}}"))).collect();
+    for algorithm in Algorithm::ALL {
+        let rules = random_rules(&mut rng, algorithm);
+        for step in 0..steps {
+            // Mostly small steps, sometimes across windows.
+            let gap = match rng.below(10) {
+                0..=3 => 0,
+                4..=7 => rng.below(3_000_000),
+                _ => rng.below(70_000_000),
+            };
+            clock.advance(Duration::from_micros(gap));
+            let op = match rng.below(10) {
+                0 => Op::Peek,
+                1 => Op::Refund,
+                _ => Op::Consume,
+            };
+            let cost = match rng.below(10) {
+                0 => 1 + rng.below(20),
+                1..=3 => 1 + rng.below(4),
+                _ => 1,
+            };
+            let key = &keys[rng.below(keys.len() as u64) as usize];
+            let other = &keys[rng.below(keys.len() as u64) as usize];
+            // Sometimes one rule, sometimes both (all-or-nothing), on different keys.
+            let checks: Vec<Check<'_>> = if rng.below(3) == 0 {
+                vec![
+                    Check {
+                        rule: &rules[0],
+                        key,
+                        cost,
+                    },
+                    Check {
+                        rule: &rules[1],
+                        key: other,
+                        cost,
+                    },
+                ]
+            } else {
+                vec![Check {
+                    rule: &rules[step % 2],
+                    key,
+                    cost,
+                }]
+            };
+            let expected = memory.apply(op, &checks).await.unwrap();
+            let got = redis.apply(op, &checks).await.unwrap();
+            assert_eq!(
+                got,
+                expected,
+                "{algorithm} step {step}: {op:?} cost {cost} on {} check(s)",
+                checks.len()
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn redis_decides_exactly_like_memory_on_a_standalone_server() {
+    let server = RedisServer::start();
+    let clock = ManualClock::default();
+    let store = RedisStore::builder()
+        .clock(clock.clone())
+        .timeout(Duration::from_secs(2))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    differential(store, clock, 1, 400).await;
+}
+
+#[tokio::test]
+async fn redis_decides_exactly_like_memory_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let clock = ManualClock::default();
+    let store = RedisStore::builder()
+        .clock(clock.clone())
+        .timeout(Duration::from_secs(2))
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    differential(store, clock, 2, 250).await;
+}
+
+#[tokio::test]
+async fn a_deadpool_pool_works_and_shares_one_connection() {
+    let server = RedisServer::start();
+    let pool = deadpool_redis::Config::from_url(server.url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(2))
+        .pool(pool.clone())
+        .unwrap();
+    let r = rule(
+        "pool",
+        Algorithm::SlidingLog,
+        3,
+        Duration::from_secs(60),
+        None,
+    );
+    let k = Key::new("p");
+    let mut allowed = 0;
+    for _ in 0..5 {
+        if store
+            .apply(
+                Op::Consume,
+                &[Check {
+                    rule: &r,
+                    key: &k,
+                    cost: 1,
+                }],
+            )
+            .await
+            .unwrap()[0]
+            .allowed
+        {
+            allowed += 1;
+        }
+    }
+    assert_eq!(allowed, 3);
+    // One long-lived connection serves every decision: no checkout (and its PING) per call.
+    let clients = server.cmd(&["CLIENT", "LIST"]).unwrap();
+    let others = clients
+        .as_str()
+        .map(|s| s.lines().filter(|l| !l.contains("cmd=client")).count());
+    assert_eq!(others, Some(1), "{clients:?}");
+}
+
+/// Eight independent stores (eight connections, as eight app servers) hammer the same keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_eight_never_exceeds_the_limit() {
+    let server = RedisServer::start();
+    let mut fleet = Vec::new();
+    for _ in 0..8 {
+        fleet.push(
+            RedisStore::builder()
+                .timeout(Duration::from_secs(5))
+                .connect(&server.url())
+                .await
+                .unwrap(),
+        );
+    }
+    const LIMIT: u64 = 200;
+    let hour = Duration::from_secs(3600);
+    let redis_now = || {
+        let t = server.cmd(&["TIME"]).unwrap();
+        let a = t.as_array().unwrap();
+        a[0].as_int().unwrap() as u64
+    };
+    for algorithm in Algorithm::ALL {
+        let r = Arc::new(rule(
+            &format!("fleet-{}", algorithm.name()),
+            algorithm,
+            LIMIT,
+            hour,
+            None,
+        ));
+        let keys: Vec<Key> = (0..3).map(|i| Key::new(format!("hot-{i}"))).collect();
+        let admitted: Arc<Vec<AtomicU64>> = Arc::new((0..3).map(|_| AtomicU64::new(0)).collect());
+        let started = redis_now();
+        let mut tasks = Vec::new();
+        for (n, store) in fleet.iter().enumerate() {
+            for worker in 0..4 {
+                let (store, r, keys, admitted) =
+                    (store.clone(), r.clone(), keys.clone(), admitted.clone());
+                tasks.push(tokio::spawn(async move {
+                    for i in 0..150usize {
+                        let k = (i + n + worker) % keys.len();
+                        let d = store
+                            .apply(
+                                Op::Consume,
+                                &[Check {
+                                    rule: &r,
+                                    key: &keys[k],
+                                    cost: 1,
+                                }],
+                            )
+                            .await
+                            .unwrap();
+                        if d[0].allowed {
+                            admitted[k].fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }));
+            }
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let elapsed_s = redis_now() - started + 1;
+        let same_window = started / 3600 == (started + elapsed_s) / 3600;
+        for a in admitted.iter() {
+            let n = a.load(Ordering::Relaxed);
+            match algorithm {
+                Algorithm::SlidingLog => assert_eq!(n, LIMIT, "{algorithm}: exact"),
+                Algorithm::FixedWindow | Algorithm::SlidingWindow if same_window => {
+                    assert_eq!(n, LIMIT, "{algorithm}")
+                }
+                Algorithm::FixedWindow | Algorithm::SlidingWindow => assert!(n <= 2 * LIMIT),
+                // burst + rate × t, with t rounded up to whole seconds.
+                _ => assert!(
+                    n >= LIMIT && n <= LIMIT + (LIMIT * elapsed_s).div_ceil(3600),
+                    "{algorithm}: {n}"
+                ),
+            }
+        }
+    }
+}
+
+fn scan_all(server: &RedisServer, pattern: &str) -> Vec<Vec<u8>> {
+    let mut cursor = "0".to_string();
+    let mut keys = Vec::new();
+    loop {
+        let reply = server
+            .cmd(&["SCAN", &cursor, "MATCH", pattern, "COUNT", "1000"])
+            .unwrap();
+        let parts = reply.as_array().unwrap();
+        cursor = parts[0].as_str().unwrap().to_string();
+        for k in parts[1].as_array().unwrap() {
+            keys.push(k.as_bytes().unwrap().to_vec());
+        }
+        if cursor == "0" {
+            return keys;
+        }
+    }
+}
+
+#[tokio::test]
+async fn on_a_cluster_keys_spread_over_every_master_and_never_cross_slots() {
+    let cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(2))
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let per_account = rule("account", Algorithm::Gcra, 5, Duration::from_secs(60), None);
+    let per_ip = rule(
+        "ip",
+        Algorithm::SlidingLog,
+        3,
+        Duration::from_secs(60),
+        None,
+    );
+    let mut nodes_hit = HashSet::new();
+    for i in 0..60 {
+        let account = Key::new(format!("acct-{i}"));
+        let ip = Key::new(format!("10.0.0.{i}"));
+        // Two rules whose keys sit on different slots: no CROSSSLOT, all-or-nothing kept.
+        let checks = [
+            Check {
+                rule: &per_account,
+                key: &account,
+                cost: 1,
+            },
+            Check {
+                rule: &per_ip,
+                key: &ip,
+                cost: 1,
+            },
+        ];
+        for _ in 0..3 {
+            let d = store.apply(Op::Consume, &checks).await.unwrap();
+            assert!(d.iter().all(|d| d.allowed));
+        }
+        let d = store.apply(Op::Consume, &checks).await.unwrap();
+        assert!(d[0].allowed && !d[1].allowed, "the per-IP rule denies");
+        assert_eq!(d[0].remaining, 2, "and the account rule keeps its permit");
+        let key = store.key_for(&per_account, &account);
+        let server_slot = cluster.keyslot(&key);
+        assert_eq!(
+            fleetlimit::store::redis::slot(&key),
+            server_slot,
+            "our slot function agrees"
+        );
+        nodes_hit.insert(cluster.node_for_slot(server_slot));
+    }
+    assert_eq!(nodes_hit.len(), 3, "keys on every master");
+    for node in cluster.nodes() {
+        let n = node.cmd(&["DBSIZE"]).unwrap().as_int().unwrap();
+        assert!(n > 0, "every master holds state");
+    }
+    // The account rule was refunded after every cross-slot denial: 3 taken, 2 left.
+    let peek = store
+        .apply(
+            Op::Peek,
+            &[Check {
+                rule: &per_account,
+                key: &Key::new("acct-0"),
+                cost: 1,
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(peek[0].remaining, 2);
+}
+
+#[tokio::test]
+async fn hostile_keys_never_collide_or_break_the_hash_tag() {
+    let cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(2))
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let period = Duration::from_secs(60);
+    let hostile: Vec<(Rule, Key)> = vec![
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new("b:c"),
+        ),
+        (
+            rule("a:b", Algorithm::FixedWindow, 1, period, None),
+            Key::new("c"),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new("}{b"),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new("{b}"),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new("%7Bb%7D"),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new(vec![b'x'; 10_000]),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new([vec![b'x'; 9_999], vec![b'y']].concat()),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new([0xff, 0xfe, 0x00, b'{']),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new([0xff, 0xfe, 0x00, b'}']),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::from("10.0.0.1".parse::<std::net::IpAddr>().unwrap()),
+        ),
+        (
+            rule("a", Algorithm::FixedWindow, 1, period, None),
+            Key::new("10.0.0.1"),
+        ),
+    ];
+    for (r, k) in &hostile {
+        let d = store
+            .apply(
+                Op::Consume,
+                &[Check {
+                    rule: r,
+                    key: k,
+                    cost: 1,
+                }],
+            )
+            .await
+            .unwrap();
+        assert!(d[0].allowed, "each pair has its own fresh bucket: {k:?}");
+        let redis_key = store.key_for(r, k);
+        assert!(redis_key.len() < 200, "long keys are hashed");
+        // The server computes the same slot from the same single hash tag.
+        assert_eq!(
+            cluster.keyslot(&redis_key),
+            fleetlimit::store::redis::slot(&redis_key)
+        );
+        let tag_open = redis_key.iter().filter(|&&b| b == b'{').count();
+        let tag_close = redis_key.iter().filter(|&&b| b == b'}').count();
+        assert_eq!((tag_open, tag_close), (1, 1), "exactly one hash tag");
+    }
+    let mut stored = 0;
+    for node in cluster.nodes() {
+        stored += node.cmd(&["DBSIZE"]).unwrap().as_int().unwrap();
+    }
+    assert_eq!(
+        stored as usize,
+        hostile.len(),
+        "no two pairs share a Redis key"
+    );
+}
+
+fn pttl(server: &RedisServer, key: &[u8]) -> i64 {
+    server.cmd_bytes(&[b"PTTL", key]).unwrap().as_int().unwrap()
+}
+
+#[tokio::test]
+async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(1_735_689_600_000_000 + 3_500_000); // 3.5 s into a 10 s window
+    let store = RedisStore::builder()
+        .clock(clock.clone())
+        .timeout(Duration::from_secs(2))
+        .prefix("hygiene:")
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let p = Duration::from_secs(10);
+    let rules = [
+        (rule("fw", Algorithm::FixedWindow, 5, p, None), 6_500),
+        (rule("sl", Algorithm::SlidingLog, 5, p, None), 10_000),
+        (rule("sw", Algorithm::SlidingWindow, 5, p, None), 16_500),
+        (rule("tb", Algorithm::TokenBucket, 5, p, Some(5)), 2_000 * 3),
+        (rule("gc", Algorithm::Gcra, 5, p, Some(5)), 2_000 * 3),
+    ];
+    // A load over many keys.
+    for i in 0..200 {
+        let k = Key::new(format!("user-{i}"));
+        for (r, _) in &rules {
+            for _ in 0..3 {
+                store
+                    .apply(
+                        Op::Consume,
+                        &[Check {
+                            rule: r,
+                            key: &k,
+                            cost: 1,
+                        }],
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+    let keys = scan_all(&server, "hygiene:*");
+    assert_eq!(keys.len(), 200 * rules.len());
+    for key in &keys {
+        let ttl = pttl(&server, key);
+        assert!(
+            ttl > 0,
+            "{} has no TTL ({ttl})",
+            String::from_utf8_lossy(key)
+        );
+    }
+    // Each TTL is when the state stops mattering (allowing the real milliseconds this test took).
+    let k = Key::new("user-0");
+    for (r, expected_ms) in &rules {
+        let ttl = pttl(&server, &store.key_for(r, &k));
+        assert!(
+            ttl <= *expected_ms && ttl > expected_ms - 2_000,
+            "{}: {ttl} ms, expected {expected_ms}",
+            r.name()
+        );
+    }
+    // Giving everything back leaves nothing that matters: the key is gone at once.
+    for (r, _) in &rules {
+        store
+            .apply(
+                Op::Refund,
+                &[Check {
+                    rule: r,
+                    key: &k,
+                    cost: 3,
+                }],
+            )
+            .await
+            .unwrap();
+        let exists = server
+            .cmd_bytes(&[b"EXISTS", &store.key_for(r, &k)])
+            .unwrap();
+        assert_eq!(exists.as_int(), Some(0), "{} kept an empty state", r.name());
+    }
+    // Denied and peeked keys leave nothing behind.
+    let fresh = Key::new("never-admitted");
+    for (r, _) in &rules {
+        store
+            .apply(
+                Op::Peek,
+                &[Check {
+                    rule: r,
+                    key: &fresh,
+                    cost: 1,
+                }],
+            )
+            .await
+            .unwrap();
+        store
+            .apply(
+                Op::Consume,
+                &[Check {
+                    rule: r,
+                    key: &fresh,
+                    cost: 99,
+                }],
+            )
+            .await
+            .unwrap();
+    }
+    assert!(scan_all(&server, "hygiene:*never*").is_empty());
+}
+
+#[tokio::test]
+async fn skewed_app_clocks_do_not_matter_because_redis_keeps_time() {
+    let server = RedisServer::start();
+    let connect = |clock: Option<ManualClock>| {
+        let url = server.url();
+        async move {
+            let mut b = RedisStore::builder().timeout(Duration::from_secs(2));
+            if let Some(c) = clock {
+                b = b.clock(c);
+            }
+            b.connect(&url).await.unwrap()
+        }
+    };
+    let r = rule(
+        "skew",
+        Algorithm::Gcra,
+        10,
+        Duration::from_secs(3600),
+        Some(10),
+    );
+    let consume_until_denied = |a: RedisStore, b: RedisStore, key: Key| {
+        let r = r.clone();
+        async move {
+            let mut admitted = 0;
+            for i in 0..40 {
+                let store = if i % 2 == 0 { &a } else { &b };
+                let d: Vec<Decision> = store
+                    .apply(
+                        Op::Consume,
+                        &[Check {
+                            rule: &r,
+                            key: &key,
+                            cost: 1,
+                        }],
+                    )
+                    .await
+                    .unwrap();
+                admitted += u64::from(d[0].allowed);
+            }
+            admitted
+        }
+    };
+    // Two app servers whose own clocks are an hour apart, deciding on Redis's TIME (the
+    // default): one limit.
+    let (a, b) = (connect(None).await, connect(None).await);
+    assert_eq!(consume_until_denied(a, b, Key::new("shared")).await, 10);
+
+    // The same two, deciding on their own skewed clocks instead: the late one sees the bucket
+    // refilled, and the pair admits far more than the limit. This is why TIME is the default.
+    let now = 1_900_000_000_000_000;
+    let (a, b) = (
+        connect(Some(ManualClock::new(now))).await,
+        connect(Some(ManualClock::new(now + 3_600_000_000))).await,
+    );
+    assert!(consume_until_denied(a, b, Key::new("skewed")).await > 10);
+}
+
+#[tokio::test]
+async fn bad_configuration_is_an_error_not_a_panic() {
+    assert!(RedisStore::builder()
+        .prefix("a{b")
+        .connect("redis://127.0.0.1:1")
+        .await
+        .is_err());
+    assert!(RedisStore::builder()
+        .timeout(Duration::ZERO)
+        .connect("redis://127.0.0.1:1")
+        .await
+        .is_err());
+    assert!(RedisStore::connect("not a url").await.is_err());
+    // Nothing listens on port 1: a connection error within the deadline, not a hang.
+    let started = std::time::Instant::now();
+    assert!(RedisStore::builder()
+        .timeout(Duration::from_millis(200))
+        .connect("redis://127.0.0.1:1")
+        .await
+        .is_err());
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let _ = RespValue::Int(0);
+}
