@@ -2,7 +2,8 @@
 //! address.
 //!
 //! ```text
-//! cargo run --release --example server -- [--port 3000] [--store memory]
+//! cargo run --release --example server -- [--port 3000]
+//!     [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...]
 //!     [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra]
 //!     [--limit 100] [--period 60s] [--burst N]
 //! ```
@@ -16,9 +17,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use axum::{routing::get, Router};
+use fleetlimit::store::RedisStore;
 use fleetlimit::{key, Algorithm, Key, Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
 
-const USAGE: &str = "usage: server [--port 3000] [--store memory] \
+const USAGE: &str = "usage: server [--port 3000] \
+[--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...] \
 [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra] \
 [--limit 100] [--period 60s] [--burst N]";
 
@@ -111,23 +114,67 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
-    if o.store != "memory" {
-        return Err(format!("--store {:?}: only `memory` is supported", o.store));
-    }
+    StoreKind::parse(&o.store)?;
     Ok(o)
 }
 
-fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
+/// Where the limiter keeps its counters.
+#[derive(Debug, PartialEq)]
+enum StoreKind {
+    Memory,
+    Redis(String),
+    Cluster(Vec<String>),
+}
+
+impl StoreKind {
+    fn parse(s: &str) -> Result<StoreKind, String> {
+        if s == "memory" {
+            Ok(StoreKind::Memory)
+        } else if let Some(nodes) = s.strip_prefix("redis-cluster://") {
+            let urls: Vec<String> = nodes
+                .split(',')
+                .filter(|n| !n.is_empty())
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            if urls.is_empty() {
+                return Err("--store redis-cluster:// needs at least one HOST:PORT".into());
+            }
+            Ok(StoreKind::Cluster(urls))
+        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+            Ok(StoreKind::Redis(s.to_owned()))
+        } else {
+            Err(format!(
+                "--store {s:?}: expected memory, redis://HOST:PORT or redis-cluster://HOST:PORT,..."
+            ))
+        }
+    }
+}
+
+fn build_rule(o: &Options) -> Result<Rule, String> {
     let mut quota = Quota::new(o.limit, o.period).algorithm(o.algorithm);
     if let Some(burst) = o.burst {
         quota = quota.burst(burst);
     }
     let quota = quota.build().map_err(|e| format!("invalid quota: {e}"))?;
-    let rule = Rule::new("demo", quota).map_err(|e| e.to_string())?;
-    let limiter = Limiter::builder(MemoryStore::new())
-        .rule(rule)
-        .build()
-        .map_err(|e| e.to_string())?;
+    Rule::new("demo", quota).map_err(|e| e.to_string())
+}
+
+async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
+    let rule = build_rule(o)?;
+    let builder = match StoreKind::parse(&o.store)? {
+        StoreKind::Memory => Limiter::builder(MemoryStore::new()),
+        StoreKind::Redis(url) => Limiter::builder(
+            RedisStore::connect(&url)
+                .await
+                .map_err(|e| format!("cannot connect to {url}: {e}"))?,
+        ),
+        StoreKind::Cluster(urls) => Limiter::builder(
+            RedisStore::cluster(&urls)
+                .await
+                .map_err(|e| format!("cannot connect to the cluster {urls:?}: {e}"))?,
+        ),
+    };
+    let limiter = builder.rule(rule).build().map_err(|e| e.to_string())?;
     Ok(RateLimitLayer::new(limiter).key(key::from_fn(|parts| {
         parts
             .headers
@@ -144,13 +191,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let layer = match build_layer(&options) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    if let Err(e) = build_rule(&options) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -161,13 +205,22 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(options.port, layer)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
+    runtime.block_on(async {
+        let layer = match build_layer(&options).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        match serve(options.port, layer).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
         }
-    }
+    })
 }
 
 async fn serve(port: u16, layer: RateLimitLayer) -> std::io::Result<()> {
@@ -229,9 +282,21 @@ mod tests {
         assert!(parse(&["--nope"]).is_err());
         assert!(parse(&["--algorithm", "leaky"]).is_err());
         assert!(parse(&["--store", "postgres"]).is_err());
-        assert!(build_layer(&parse(&["--limit", "0"]).unwrap()).is_err());
+        assert!(parse(&["--store", "redis-cluster://"]).is_err());
+        assert_eq!(
+            StoreKind::parse("redis-cluster://127.0.0.1:7000,127.0.0.1:7001"),
+            Ok(StoreKind::Cluster(vec![
+                "redis://127.0.0.1:7000".into(),
+                "redis://127.0.0.1:7001".into()
+            ]))
+        );
+        assert_eq!(
+            StoreKind::parse("redis://127.0.0.1:6379"),
+            Ok(StoreKind::Redis("redis://127.0.0.1:6379".into()))
+        );
+        assert!(build_rule(&parse(&["--limit", "0"]).unwrap()).is_err());
         assert!(
-            build_layer(&parse(&["--burst", "3"]).unwrap()).is_err(),
+            build_rule(&parse(&["--burst", "3"]).unwrap()).is_err(),
             "burst needs token-bucket or gcra"
         );
     }

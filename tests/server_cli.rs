@@ -114,3 +114,48 @@ fn invalid_flags_exit_non_zero_with_a_message() {
         assert!(err.starts_with("error: "), "{args:?}: {err}");
     }
 }
+
+mod support;
+
+#[test]
+fn serves_from_redis_and_a_redis_cluster() {
+    let server = support::redis::RedisServer::start();
+    let store = format!("redis://{}", server.addr());
+    let demo = start(&[
+        "--port",
+        "0",
+        "--store",
+        &store,
+        "--algorithm",
+        "sliding-log",
+        "--limit",
+        "1",
+        "--period",
+        "1h",
+    ]);
+    assert!(get(demo.1, Some("r")).starts_with("HTTP/1.1 200"));
+    assert!(get(demo.1, Some("r")).starts_with("HTTP/1.1 429"));
+    // A second demo on the same Redis shares the limit: one fleet, one limit.
+    let other = start(&[
+        "--port",
+        "0",
+        "--store",
+        &store,
+        "--algorithm",
+        "sliding-log",
+        "--limit",
+        "1",
+        "--period",
+        "1h",
+    ]);
+    assert!(get(other.1, Some("r")).starts_with("HTTP/1.1 429"));
+
+    let cluster = support::redis::RedisCluster::start();
+    let nodes = format!("redis-cluster://{}", cluster.addrs().join(","));
+    let demo = start(&[
+        "--port", "0", "--store", &nodes, "--limit", "2", "--period", "1m",
+    ]);
+    assert!(get(demo.1, Some("c")).starts_with("HTTP/1.1 200"));
+    assert!(get(demo.1, Some("c")).starts_with("HTTP/1.1 200"));
+    assert!(get(demo.1, Some("c")).starts_with("HTTP/1.1 429"));
+}
