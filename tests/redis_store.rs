@@ -641,3 +641,34 @@ async fn bad_configuration_is_an_error_not_a_panic() {
     assert!(started.elapsed() < Duration::from_secs(5));
     let _ = RespValue::Int(0);
 }
+
+#[tokio::test]
+async fn a_lost_script_is_loaded_again() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(2))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let r = rule(
+        "reload",
+        Algorithm::FixedWindow,
+        2,
+        Duration::from_secs(3600),
+        None,
+    );
+    let k = Key::new("k");
+    let check = [Check {
+        rule: &r,
+        key: &k,
+        cost: 1,
+    }];
+    assert!(store.apply(Op::Consume, &check).await.unwrap()[0].allowed);
+    server.cmd(&["SCRIPT", "FLUSH"]).unwrap();
+    // NOSCRIPT is answered by loading the script again; the state in Redis is intact.
+    assert_eq!(
+        store.apply(Op::Consume, &check).await.unwrap()[0].remaining,
+        0
+    );
+    assert!(!store.apply(Op::Consume, &check).await.unwrap()[0].allowed);
+}
