@@ -12,6 +12,11 @@ use fleetlimit::store::{Check, Op, RedisStore, Store};
 use fleetlimit::{Algorithm, Decision, Key, ManualClock, MemoryStore, Quota, Rule};
 use support::redis::{RedisCluster, RedisServer, RespValue};
 
+/// A store with a deadline generous enough for a loaded 2-core CI machine.
+fn test_store() -> fleetlimit::store::RedisStoreBuilder {
+    RedisStore::builder().timeout(Duration::from_secs(2))
+}
+
 /// SplitMix64, so every run replays the same sequences.
 struct Rng(u64);
 
@@ -127,9 +132,8 @@ async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: u
 async fn redis_decides_exactly_like_memory_on_a_standalone_server() {
     let server = RedisServer::start();
     let clock = ManualClock::default();
-    let store = RedisStore::builder()
+    let store = test_store()
         .clock(clock.clone())
-        .timeout(Duration::from_secs(2))
         .connect(&server.url())
         .await
         .unwrap();
@@ -140,9 +144,8 @@ async fn redis_decides_exactly_like_memory_on_a_standalone_server() {
 async fn redis_decides_exactly_like_memory_on_a_cluster() {
     let cluster = RedisCluster::start();
     let clock = ManualClock::default();
-    let store = RedisStore::builder()
+    let store = test_store()
         .clock(clock.clone())
-        .timeout(Duration::from_secs(2))
         .cluster(&cluster.urls())
         .await
         .unwrap();
@@ -155,10 +158,7 @@ async fn a_deadpool_pool_works_and_shares_one_connection() {
     let pool = deadpool_redis::Config::from_url(server.url())
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
-    let store = RedisStore::builder()
-        .timeout(Duration::from_secs(2))
-        .pool(pool.clone())
-        .unwrap();
+    let store = test_store().pool(pool.clone()).unwrap();
     let r = rule(
         "pool",
         Algorithm::SlidingLog,
@@ -296,11 +296,7 @@ fn scan_all(server: &RedisServer, pattern: &str) -> Vec<Vec<u8>> {
 #[tokio::test]
 async fn on_a_cluster_keys_spread_over_every_master_and_never_cross_slots() {
     let cluster = RedisCluster::start();
-    let store = RedisStore::builder()
-        .timeout(Duration::from_secs(2))
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let store = test_store().cluster(&cluster.urls()).await.unwrap();
     let per_account = rule("account", Algorithm::Gcra, 5, Duration::from_secs(60), None);
     let per_ip = rule(
         "ip",
@@ -365,11 +361,7 @@ async fn on_a_cluster_keys_spread_over_every_master_and_never_cross_slots() {
 #[tokio::test]
 async fn hostile_keys_never_collide_or_break_the_hash_tag() {
     let cluster = RedisCluster::start();
-    let store = RedisStore::builder()
-        .timeout(Duration::from_secs(2))
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let store = test_store().cluster(&cluster.urls()).await.unwrap();
     let period = Duration::from_secs(60);
     let hostile: Vec<(Rule, Key)> = vec![
         (
@@ -460,9 +452,8 @@ fn pttl(server: &RedisServer, key: &[u8]) -> i64 {
 async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
     let server = RedisServer::start();
     let clock = ManualClock::new(1_735_689_600_000_000 + 3_500_000); // 3.5 s into a 10 s window
-    let store = RedisStore::builder()
+    let store = test_store()
         .clock(clock.clone())
-        .timeout(Duration::from_secs(2))
         .prefix("hygiene:")
         .connect(&server.url())
         .await
@@ -645,11 +636,7 @@ async fn bad_configuration_is_an_error_not_a_panic() {
 #[tokio::test]
 async fn a_lost_script_is_loaded_again() {
     let server = RedisServer::start();
-    let store = RedisStore::builder()
-        .timeout(Duration::from_secs(2))
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let store = test_store().connect(&server.url()).await.unwrap();
     let r = rule(
         "reload",
         Algorithm::FixedWindow,
