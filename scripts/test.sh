@@ -17,4 +17,7 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
   fi
 fi
 
+# The demo server's contract is tested by running its binary, which `cargo test` alone does not
+# build (it builds the example as a test harness).
+cargo build --all-features --examples
 cargo test --all-features "$@"

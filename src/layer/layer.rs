@@ -34,9 +34,10 @@ pub struct RateLimitLayer {
     pub(crate) config: Arc<Config>,
 }
 
+#[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) limiter: Limiter,
-    pub(crate) extractor: Option<Box<dyn KeyExtractor>>,
+    pub(crate) extractor: Option<Arc<dyn KeyExtractor>>,
     pub(crate) peer: PeerIp,
     pub(crate) headers: HeaderStyle,
 }
@@ -66,23 +67,14 @@ impl RateLimitLayer {
         }
     }
 
+    /// Configuration happens before the layer is shared; a clone made earlier keeps its own.
     fn config_mut(&mut self) -> &mut Config {
-        // Configuration happens before the layer is shared; a clone made earlier keeps its own.
-        if Arc::get_mut(&mut self.config).is_none() {
-            let c = &self.config;
-            self.config = Arc::new(Config {
-                limiter: c.limiter.clone(),
-                extractor: None,
-                peer: c.peer,
-                headers: c.headers,
-            });
-        }
-        Arc::get_mut(&mut self.config).unwrap_or_else(|| unreachable!("just made unique"))
+        Arc::make_mut(&mut self.config)
     }
 
     /// Key requests with `extractor`; when it returns `None`, the peer address is used.
     pub fn key(mut self, extractor: impl KeyExtractor) -> Self {
-        self.config_mut().extractor = Some(Box::new(extractor));
+        self.config_mut().extractor = Some(Arc::new(extractor));
         self
     }
 
