@@ -121,7 +121,7 @@ mod support;
 fn serves_from_redis_and_a_redis_cluster() {
     let server = support::redis::RedisServer::start();
     let store = format!("redis://{}", server.addr());
-    let demo = start(&[
+    let args = [
         "--port",
         "0",
         "--store",
@@ -132,22 +132,12 @@ fn serves_from_redis_and_a_redis_cluster() {
         "1",
         "--period",
         "1h",
-    ]);
+    ];
+    let demo = start(&args);
     assert!(get(demo.1, Some("r")).starts_with("HTTP/1.1 200"));
     assert!(get(demo.1, Some("r")).starts_with("HTTP/1.1 429"));
     // A second demo on the same Redis shares the limit: one fleet, one limit.
-    let other = start(&[
-        "--port",
-        "0",
-        "--store",
-        &store,
-        "--algorithm",
-        "sliding-log",
-        "--limit",
-        "1",
-        "--period",
-        "1h",
-    ]);
+    let other = start(&args);
     assert!(get(other.1, Some("r")).starts_with("HTTP/1.1 429"));
 
     let cluster = support::redis::RedisCluster::start();

@@ -396,7 +396,8 @@ fn parse_decisions(values: &[i64], n: usize) -> Result<Vec<Decision>, StoreError
 }
 
 impl RedisStore {
-    /// On a cluster, checks whose keys sit on different slots cannot share one script call.
+    /// On a cluster, checks whose keys sit on different slots cannot share one script call (one
+    /// slot: one call, as on a standalone server).
     /// They are consumed group by group; if a later group denies, the earlier groups are
     /// refunded, so nothing is over-admitted (permits are briefly held, never granted twice).
     async fn apply_across_slots(
@@ -411,6 +412,9 @@ impl RedisStore {
                 Some((_, members)) => members.push(i),
                 None => groups.push((s, vec![i])),
             }
+        }
+        if groups.len() == 1 {
+            return self.inner.invoke(op, checks).await;
         }
         let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
         let mut taken: Vec<usize> = Vec::new();
@@ -466,17 +470,7 @@ impl Store for RedisStore {
                 return Ok(Vec::new());
             }
             if self.is_cluster() && checks.len() > 1 {
-                let first = slot(&redis_key(
-                    &self.inner.prefix,
-                    checks[0].rule,
-                    checks[0].key,
-                ));
-                let same_slot = checks[1..]
-                    .iter()
-                    .all(|c| slot(&redis_key(&self.inner.prefix, c.rule, c.key)) == first);
-                if !same_slot {
-                    return self.apply_across_slots(op, checks).await;
-                }
+                return self.apply_across_slots(op, checks).await;
             }
             self.inner.invoke(op, checks).await
         })
