@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- [--port 3000]
 //!     [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...]
 //!     [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra]
-//!     [--limit 100] [--period 60s] [--burst N]
+//!     [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local]
 //! ```
 //!
 //! Durations are written `500ms`, `60s`, `1m`, `1h`. For `token-bucket` and `gcra`, `--limit`
@@ -18,12 +18,14 @@ use std::time::Duration;
 
 use axum::{routing::get, Router};
 use fleetlimit::store::RedisStore;
-use fleetlimit::{key, Algorithm, Key, Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
+use fleetlimit::{
+    key, Algorithm, Key, Limiter, MemoryStore, OnStoreError, Quota, RateLimitLayer, Rule,
+};
 
 const USAGE: &str = "usage: server [--port 3000] \
 [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...] \
 [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra] \
-[--limit 100] [--period 60s] [--burst N]";
+[--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local]";
 
 #[derive(Debug)]
 struct Options {
@@ -33,6 +35,7 @@ struct Options {
     limit: u64,
     period: Duration,
     burst: Option<u64>,
+    on_store_error: Option<String>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -67,6 +70,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
         limit: 100,
         period: Duration::from_secs(60),
         burst: None,
+        on_store_error: None,
     };
     let mut args = args.peekable();
     while let Some(arg) = args.next() {
@@ -104,6 +108,15 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
             "--period" => {
                 o.period = parse_duration(&value()?).map_err(|e| format!("--period: {e}"))?
             }
+            "--on-store-error" => {
+                let v = value()?;
+                if !["open", "closed", "local"].contains(&v.as_str()) {
+                    return Err(format!(
+                        "--on-store-error {v:?}: expected open, closed or local"
+                    ));
+                }
+                o.on_store_error = Some(v);
+            }
             "--burst" => {
                 let v = value()?;
                 o.burst = Some(
@@ -114,7 +127,13 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
-    StoreKind::parse(&o.store)?;
+    if StoreKind::parse(&o.store)? != StoreKind::Memory && o.on_store_error.is_none() {
+        return Err(
+            "--store on Redis needs --on-store-error open|closed|local: what should happen \
+             to requests while Redis is unreachable?"
+                .into(),
+        );
+    }
     Ok(o)
 }
 
@@ -161,20 +180,32 @@ fn build_rule(o: &Options) -> Result<Rule, String> {
 
 async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
     let rule = build_rule(o)?;
-    let builder = match StoreKind::parse(&o.store)? {
-        StoreKind::Memory => Limiter::builder(MemoryStore::new()),
+    let policy = match o.on_store_error.as_deref() {
+        Some("closed") => OnStoreError::fail_closed(),
+        // One demo process: the local fallback keeps the same quota.
+        Some("local") => OnStoreError::Local(rule.quota().clone()),
+        _ => OnStoreError::FailOpen,
+    };
+    let limiter = match StoreKind::parse(&o.store)? {
+        StoreKind::Memory => Limiter::builder(MemoryStore::new()).rule(rule).build(),
         StoreKind::Redis(url) => Limiter::builder(
             RedisStore::connect(&url)
                 .await
                 .map_err(|e| format!("cannot connect to {url}: {e}"))?,
-        ),
+        )
+        .rule(rule)
+        .on_store_error(policy)
+        .build(),
         StoreKind::Cluster(urls) => Limiter::builder(
             RedisStore::cluster(&urls)
                 .await
                 .map_err(|e| format!("cannot connect to the cluster {urls:?}: {e}"))?,
-        ),
-    };
-    let limiter = builder.rule(rule).build().map_err(|e| e.to_string())?;
+        )
+        .rule(rule)
+        .on_store_error(policy)
+        .build(),
+    }
+    .map_err(|e| e.to_string())?;
     Ok(RateLimitLayer::new(limiter).key(key::from_fn(|parts| {
         parts
             .headers
@@ -283,6 +314,18 @@ mod tests {
         assert!(parse(&["--algorithm", "leaky"]).is_err());
         assert!(parse(&["--store", "postgres"]).is_err());
         assert!(parse(&["--store", "redis-cluster://"]).is_err());
+        assert!(
+            parse(&["--store", "redis://127.0.0.1:6379"]).is_err(),
+            "policy required"
+        );
+        assert!(parse(&[
+            "--store",
+            "redis://127.0.0.1:6379",
+            "--on-store-error",
+            "open"
+        ])
+        .is_ok());
+        assert!(parse(&["--on-store-error", "maybe"]).is_err());
         assert_eq!(
             StoreKind::parse("redis-cluster://127.0.0.1:7000,127.0.0.1:7001"),
             Ok(StoreKind::Cluster(vec![

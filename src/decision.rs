@@ -10,8 +10,11 @@ pub enum Source {
     Store,
     /// Permits leased from the store earlier were spent in process memory.
     Lease,
-    /// The store failed and the outage policy decided.
+    /// The store was unavailable and the local fallback limiter decided.
     Fallback,
+    /// The store was unavailable and the outage policy admitted or refused without counting
+    /// (fail open or fail closed): the numbers in the decision describe nothing.
+    Policy,
 }
 
 /// One rule's verdict on one request, with everything the rate-limit headers need.
@@ -33,7 +36,7 @@ pub struct Decision {
     pub retry_after: Option<Duration>,
     /// Where the decision was made.
     pub source: Source,
-    /// True when the decision was made without the store (an outage policy decided).
+    /// True when the decision was made without the store (the outage policy decided).
     pub degraded: bool,
 }
 

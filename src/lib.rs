@@ -58,7 +58,10 @@ pub use decision::{Decision, Source};
 pub use error::{ConfigError, Error, StoreError};
 pub use key::{Key, KeyExtractor};
 pub use layer::{HeaderStyle, RateLimitLayer};
-pub use limiter::{Limiter, LimiterBuilder};
+pub use limiter::{
+    BreakerConfig, BreakerState, InfallibleStore, Limiter, LimiterBuilder, LimiterStats,
+    OnStoreError, PolicyUnset, DEFAULT_DEADLINE,
+};
 pub use quota::{Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_PERIOD};
 pub use rule::Rule;
 pub use store::{MemoryStore, RedisStore, Store};

@@ -126,6 +126,8 @@ fn serves_from_redis_and_a_redis_cluster() {
         "0",
         "--store",
         &store,
+        "--on-store-error",
+        "closed",
         "--algorithm",
         "sliding-log",
         "--limit",
@@ -143,9 +145,28 @@ fn serves_from_redis_and_a_redis_cluster() {
     let cluster = support::redis::RedisCluster::start();
     let nodes = format!("redis-cluster://{}", cluster.addrs().join(","));
     let demo = start(&[
-        "--port", "0", "--store", &nodes, "--limit", "2", "--period", "1m",
+        "--port",
+        "0",
+        "--store",
+        &nodes,
+        "--on-store-error",
+        "open",
+        "--limit",
+        "2",
+        "--period",
+        "1m",
     ]);
     assert!(get(demo.1, Some("c")).starts_with("HTTP/1.1 200"));
     assert!(get(demo.1, Some("c")).starts_with("HTTP/1.1 200"));
     assert!(get(demo.1, Some("c")).starts_with("HTTP/1.1 429"));
+}
+
+#[test]
+fn redis_without_an_outage_policy_is_refused() {
+    let out = Command::new(server_binary())
+        .args(["--store", "redis://127.0.0.1:6379"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--on-store-error"));
 }

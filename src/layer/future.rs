@@ -9,7 +9,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::layer::Config;
-use super::{response, ResponseBody};
+use super::{response, HeaderStyle, ResponseBody};
 use crate::store::BoxFuture;
 use crate::{Decision, Error, Key};
 
@@ -103,7 +103,10 @@ where
                     req,
                 } => {
                     let result = ready!(decision.as_mut().poll(cx));
-                    let headers = this.config.as_ref().map(|c| c.headers).unwrap_or_default();
+                    let (headers, unavailable) = this.config.as_ref().map_or(
+                        (HeaderStyle::default(), StatusCode::SERVICE_UNAVAILABLE),
+                        |c| (c.headers, c.unavailable_status),
+                    );
                     match result {
                         Ok(decision) if decision.allowed => {
                             let (Some(mut inner), Some(req)) = (inner.take(), req.take()) else {
@@ -113,8 +116,7 @@ where
                             this.state.set(State::Calling { future, decision });
                         }
                         Ok(decision) => {
-                            let mut response = response::denied(&decision);
-                            headers.write(&decision, response.headers_mut());
+                            let response = response::denied(&decision, headers, unavailable);
                             return Poll::Ready(Ok(response.map(ResponseBody::full)));
                         }
                         Err(error) => {

@@ -1,5 +1,6 @@
 use std::sync::Arc;
 
+use http::StatusCode;
 use tower_layer::Layer;
 
 use super::{HeaderStyle, RateLimitService};
@@ -40,6 +41,7 @@ pub(crate) struct Config {
     pub(crate) extractor: Option<Arc<dyn KeyExtractor>>,
     pub(crate) peer: PeerIp,
     pub(crate) headers: HeaderStyle,
+    pub(crate) unavailable_status: StatusCode,
 }
 
 impl std::fmt::Debug for RateLimitLayer {
@@ -63,6 +65,7 @@ impl RateLimitLayer {
                 extractor: None,
                 peer: PeerIp::default(),
                 headers: HeaderStyle::default(),
+                unavailable_status: StatusCode::SERVICE_UNAVAILABLE,
             }),
         }
     }
@@ -81,6 +84,13 @@ impl RateLimitLayer {
     /// How the peer-address fallback reads addresses (e.g. the IPv6 grouping prefix).
     pub fn peer_ip(mut self, peer: PeerIp) -> Self {
         self.config_mut().peer = peer;
+        self
+    }
+
+    /// The status of a refusal made because the store is down and the outage policy fails
+    /// closed (default 503 Service Unavailable; 429 is the other common choice).
+    pub fn unavailable_status(mut self, status: StatusCode) -> Self {
+        self.config_mut().unavailable_status = status;
         self
     }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
-use crate::Decision;
+use crate::{Decision, Source};
 use bytes::Bytes;
 
 /// Which rate-limit headers to put on responses.
@@ -41,8 +41,12 @@ pub(crate) fn ceil_millis(d: Duration) -> u64 {
 }
 
 impl HeaderStyle {
-    /// Write this style's headers for `decision` into `headers`.
+    /// Write this style's headers for `decision` into `headers`. A decision the outage policy
+    /// made without counting gets none: its numbers would describe nothing.
     pub(crate) fn write(self, decision: &Decision, headers: &mut HeaderMap) {
+        if decision.source == Source::Policy {
+            return;
+        }
         match self {
             HeaderStyle::Draft6 => {
                 headers.insert(RATELIMIT_LIMIT.clone(), HeaderValue::from(decision.limit));
@@ -60,10 +64,37 @@ impl HeaderStyle {
     }
 }
 
-/// The 429 for a denial: `Retry-After` in whole seconds (rounded up, at least 1) and a JSON body
-/// `{"error":"rate_limited","retry_after_ms":N}`. A cost the quota can never admit says so, with
-/// no retry time.
-pub(crate) fn denied(decision: &Decision) -> Response<Bytes> {
+/// The response to a denial: `Retry-After` in whole seconds (rounded up, at least 1), the
+/// headers of `style`, and a JSON body.
+///
+/// - Over the limit: 429, `{"error":"rate_limited","retry_after_ms":N}`; a cost the quota can
+///   never admit says `cost_exceeds_limit`, with no retry time.
+/// - Refused because the store is down and the policy fails closed: `unavailable_status`
+///   (503 by default: the client did nothing wrong), `{"error":"rate_limiter_unavailable",…}`.
+pub(crate) fn denied(
+    decision: &Decision,
+    style: HeaderStyle,
+    unavailable_status: StatusCode,
+) -> Response<Bytes> {
+    let mut response = if decision.source == Source::Policy {
+        let ms = decision.retry_after.map_or(0, ceil_millis);
+        json(
+            unavailable_status,
+            format!(r#"{{"error":"rate_limiter_unavailable","retry_after_ms":{ms}}}"#),
+        )
+    } else {
+        over_limit(decision)
+    };
+    if let Some(retry) = decision.retry_after {
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry).max(1)));
+    }
+    style.write(decision, response.headers_mut());
+    response
+}
+
+fn over_limit(decision: &Decision) -> Response<Bytes> {
     let body = match decision.retry_after {
         Some(retry) => format!(
             r#"{{"error":"rate_limited","retry_after_ms":{}}}"#,
@@ -71,13 +102,7 @@ pub(crate) fn denied(decision: &Decision) -> Response<Bytes> {
         ),
         None => r#"{"error":"cost_exceeds_limit","retry_after_ms":null}"#.to_owned(),
     };
-    let mut response = json(StatusCode::TOO_MANY_REQUESTS, body);
-    if let Some(retry) = decision.retry_after {
-        response
-            .headers_mut()
-            .insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry).max(1)));
-    }
-    response
+    json(StatusCode::TOO_MANY_REQUESTS, body)
 }
 
 /// A JSON response written by the layer itself.
@@ -112,7 +137,7 @@ mod tests {
             Duration::from_millis(3),
             Some(Duration::from_micros(10)),
         );
-        let r = denied(&d);
+        let r = denied(&d, HeaderStyle::Draft6, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()[RETRY_AFTER], "1");
     }

@@ -55,4 +55,16 @@ pub trait Store: Send + Sync + 'static {
         op: Op,
         checks: &'a [Check<'a>],
     ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>>;
+
+    /// How many parts of the store can fail independently (a cluster's slots). The limiter keeps
+    /// a circuit breaker for each, so one dead node does not take the others' keys down with it.
+    fn failure_domains(&self) -> usize {
+        1
+    }
+
+    /// Which failure domain (below [`failure_domains`](Store::failure_domains)) a call for
+    /// these checks depends on.
+    fn failure_domain(&self, _checks: &[Check<'_>]) -> usize {
+        0
+    }
 }

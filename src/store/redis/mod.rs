@@ -460,6 +460,23 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
+    fn failure_domains(&self) -> usize {
+        if self.is_cluster() {
+            16_384
+        } else {
+            1
+        }
+    }
+
+    fn failure_domain(&self, checks: &[Check<'_>]) -> usize {
+        match checks.first() {
+            Some(c) if self.is_cluster() => {
+                usize::from(slot(&redis_key(&self.inner.prefix, c.rule, c.key)))
+            }
+            _ => 0,
+        }
+    }
+
     fn apply<'a>(
         &'a self,
         op: Op,

@@ -1,0 +1,116 @@
+//! What a decision costs when Redis is healthy, paused (accepts, never answers) and dead.
+//!
+//! Starts its own `redis-server` on a free loopback port, measures decision latency through a
+//! `Limiter` (fail open, default 50 ms deadline, default breaker) in each state, prints a table,
+//! and kills the server it started (by PID).
+//!
+//! ```text
+//! cargo run --release --example outage [-- --decisions 2000]
+//! ```
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fleetlimit::store::RedisStore;
+use fleetlimit::{Key, Limiter, OnStoreError, Quota, Rule};
+
+/// The server we started, killed by PID (SIGKILL ends a paused process too) when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_redis() -> Result<(Server, u16), String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let child = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start redis-server (apt-get install redis-server): {e}"))?;
+    let server = Server(child);
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok((server, port));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Err("redis-server did not start".into())
+}
+
+async fn measure(limiter: &Limiter, n: usize) -> (Duration, Duration, Duration, u64) {
+    let mut took = Vec::with_capacity(n);
+    let mut degraded = 0;
+    for i in 0..n {
+        let started = Instant::now();
+        let d = limiter.consume(&Key::new(format!("k{}", i % 100)), 1).await;
+        took.push(started.elapsed());
+        degraded += d.map_or(0, |d| u64::from(d.degraded));
+    }
+    took.sort_unstable();
+    (took[n / 2], took[n * 99 / 100], took[n - 1], degraded)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), String> {
+    let n = match std::env::args().skip(1).collect::<Vec<_>>().as_slice() {
+        [] => 2_000,
+        [flag, v] if flag == "--decisions" => v.parse().map_err(|_| "--decisions N")?,
+        _ => return Err("usage: outage [--decisions N]".into()),
+    };
+    let (mut server, port) = start_redis()?;
+    let store = RedisStore::connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .map_err(|e| e.to_string())?;
+    let rule = Rule::new(
+        "outage",
+        Quota::per_second(1_000_000)
+            .algorithm(fleetlimit::Algorithm::Gcra)
+            .build()
+            .map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    let limiter = Limiter::builder(store)
+        .rule(rule)
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .map_err(|e| e.to_string())?;
+
+    println!("| Redis | decisions | p50 | p99 | max | degraded |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let row = |state: &str, (p50, p99, max, degraded): (Duration, Duration, Duration, u64)| {
+        println!("| {state} | {n} | {p50:.2?} | {p99:.2?} | {max:.2?} | {degraded} |");
+    };
+    row("healthy", measure(&limiter, n).await);
+
+    let pid = server.0.id().to_string();
+    Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .map_err(|e| e.to_string())?;
+    row("paused (SIGSTOP)", measure(&limiter, n).await);
+    Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .map_err(|e| e.to_string())?;
+
+    server.0.kill().map_err(|e| e.to_string())?;
+    let _ = server.0.wait();
+    row("dead (killed)", measure(&limiter, n).await);
+    Ok(())
+}

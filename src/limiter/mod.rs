@@ -1,0 +1,510 @@
+//! The limiter: rules × key → one decision, through a store; and what happens when the store
+//! fails.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{ConfigError, Error};
+use crate::store::{Check, Op, Store};
+use crate::{Clock, Decision, Key, MemoryStore, Quota, Rule, Source, StoreError, SystemClock};
+
+mod breaker;
+
+use breaker::{Admission, Breaker, Transition};
+pub use breaker::{BreakerConfig, BreakerState};
+
+/// The default deadline for a decision from a networked store.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
+
+/// What to do when the store cannot decide (down, slow, erroring). There is no default: a
+/// limiter on a networked store does not build until you choose.
+///
+/// - `FailOpen`: admit, marked degraded. Availability first; the limit is off during the outage.
+/// - `FailClosed`: refuse, marked degraded. The layer answers `503 Service Unavailable` (the
+///   client did nothing wrong; configurable to 429) with `Retry-After: retry_after`.
+/// - `Local(quota)`: decide in this process with `quota` in place of every rule (e.g. the fleet
+///   limit divided by the number of servers).
+/// - `LocalShare(n)`: decide in this process with every rule's own quota divided by `n` (limit and
+///   burst; at least 1), the same algorithm.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnStoreError {
+    /// Admit every request while the store is unavailable.
+    FailOpen,
+    /// Refuse every request while the store is unavailable.
+    FailClosed {
+        /// The `Retry-After` given to refused clients.
+        retry_after: Duration,
+    },
+    /// Decide in process with this quota for every rule.
+    Local(Quota),
+    /// Decide in process with each rule's quota divided by this many servers.
+    LocalShare(u64),
+}
+
+impl OnStoreError {
+    /// [`OnStoreError::FailClosed`] with a `Retry-After` of one second.
+    pub fn fail_closed() -> OnStoreError {
+        OnStoreError::FailClosed {
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The builder's state before an outage policy is chosen.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyUnset;
+
+/// A store that cannot fail, so a limiter on it needs no outage policy.
+pub trait InfallibleStore: Store {}
+
+impl InfallibleStore for MemoryStore {}
+
+/// Counters of what the limiter did; see [`Limiter::stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct LimiterStats {
+    /// Decisions made by the outage policy instead of the store.
+    pub degraded_decisions: u64,
+    /// Store calls that failed or missed the deadline.
+    pub store_errors: u64,
+    /// Times a breaker opened.
+    pub breaker_opened: u64,
+    /// Breakers open right now.
+    pub open_breakers: u64,
+}
+
+/// Decides requests against one or more [`Rule`]s through a [`Store`]. Cheap to clone: clones
+/// share the same store, rules and breakers, so every clone enforces the same limits.
+///
+/// ```
+/// use fleetlimit::{Key, Limiter, MemoryStore, Quota, Rule};
+///
+/// # tokio_test(async {
+/// let limiter = Limiter::builder(MemoryStore::new())
+///     .rule(Rule::new("api", Quota::per_minute(2).build()?)?)
+///     .build()?;
+/// let key = Key::new("tenant-1");
+/// assert!(limiter.consume(&key, 1).await?.allowed);
+/// assert!(limiter.consume(&key, 1).await?.allowed);
+/// let denied = limiter.consume(&key, 1).await?;
+/// assert!(!denied.allowed);
+/// assert!(denied.retry_after.is_some());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # });
+/// # fn tokio_test<F: std::future::Future<Output = Result<(), Box<dyn std::error::Error>>>>(f: F) {
+/// #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f).unwrap()
+/// # }
+/// ```
+///
+/// A networked store needs an outage policy; leaving it out does not compile:
+///
+/// ```compile_fail
+/// # use fleetlimit::{Limiter, Rule, RedisStore};
+/// fn no_policy(store: RedisStore, rule: Rule) {
+///     let _ = Limiter::builder(store).rule(rule).build();
+/// }
+/// ```
+///
+/// ```
+/// # use fleetlimit::{Limiter, OnStoreError, Rule, RedisStore};
+/// fn with_policy(store: RedisStore, rule: Rule) {
+///     let _ = Limiter::builder(store).rule(rule).on_store_error(OnStoreError::FailOpen).build();
+/// }
+/// ```
+#[derive(Clone)]
+pub struct Limiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    rules: Box<[Rule]>,
+    policy: Option<Policy>,
+    deadline: Duration,
+    breakers: Box<[Breaker]>,
+    breaker_config: BreakerConfig,
+    clock: Arc<dyn Clock>,
+    degraded: AtomicU64,
+    store_errors: AtomicU64,
+    opened: AtomicU64,
+}
+
+/// The outage policy, resolved when the limiter is built.
+enum Policy {
+    Open,
+    Closed {
+        retry_after: Duration,
+    },
+    Local {
+        store: MemoryStore,
+        rules: Box<[Rule]>,
+    },
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("rules", &self.inner.rules)
+            .field("deadline", &self.inner.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builder for [`Limiter`]; [`build`](LimiterBuilder::build) validates. On a store that can fail,
+/// `build` exists only once [`on_store_error`](LimiterBuilder::on_store_error) has been chosen.
+#[must_use = "a limiter builder does nothing until `build` is called"]
+pub struct LimiterBuilder<S, P = PolicyUnset> {
+    store: S,
+    rules: Vec<Rule>,
+    policy: Option<OnStoreError>,
+    deadline: Duration,
+    breaker: BreakerConfig,
+    clock: Arc<dyn Clock>,
+    _policy: PhantomData<P>,
+}
+
+impl<S, P> std::fmt::Debug for LimiterBuilder<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LimiterBuilder")
+            .field("rules", &self.rules)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store, P> LimiterBuilder<S, P> {
+    /// Add a rule. Every rule applies to every request; a request is admitted only if all
+    /// admit, and a denial by one takes nothing from the others.
+    pub fn rule(mut self, rule: Rule) -> Self {
+        self.rules.push(rule);
+        self
+    }
+
+    /// The longest a decision may wait for the store (default 50 ms). A store call that takes
+    /// longer is abandoned (never retried: it may have run) and the outage policy decides.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// When the circuit breaker opens and how long before it probes.
+    pub fn breaker(mut self, config: BreakerConfig) -> Self {
+        self.breaker = config;
+        self
+    }
+
+    /// The clock the breaker (and a local fallback) reads (default: the system clock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    fn build_inner(self) -> Result<Limiter, ConfigError> {
+        if self.rules.is_empty() {
+            return Err(ConfigError::NoRules);
+        }
+        for (i, rule) in self.rules.iter().enumerate() {
+            if self.rules[..i].iter().any(|r| r.name() == rule.name()) {
+                return Err(ConfigError::InvalidRuleName(rule.name().to_owned()));
+            }
+        }
+        if self.deadline.is_zero() {
+            return Err(ConfigError::Invalid {
+                setting: "deadline",
+                reason: "must be greater than zero".into(),
+            });
+        }
+        if self.breaker.failures == 0 || self.breaker.cool_down.is_zero() {
+            return Err(ConfigError::Invalid {
+                setting: "breaker",
+                reason: "needs at least one failure and a non-zero cool-down".into(),
+            });
+        }
+        let policy = match self.policy {
+            None => None,
+            Some(OnStoreError::FailOpen) => Some(Policy::Open),
+            Some(OnStoreError::FailClosed { retry_after }) => Some(Policy::Closed { retry_after }),
+            Some(OnStoreError::Local(quota)) => {
+                Some(local_policy(&self.rules, &self.clock, |_| {
+                    Ok(quota.clone())
+                })?)
+            }
+            Some(OnStoreError::LocalShare(servers)) => {
+                if servers == 0 {
+                    return Err(ConfigError::Invalid {
+                        setting: "on_store_error",
+                        reason: "LocalShare needs at least one server".into(),
+                    });
+                }
+                Some(local_policy(&self.rules, &self.clock, |q| {
+                    let mut b = Quota::new((q.limit() / servers).max(1), q.period())
+                        .algorithm(q.algorithm());
+                    if matches!(
+                        q.algorithm(),
+                        crate::Algorithm::TokenBucket | crate::Algorithm::Gcra
+                    ) {
+                        b = b.burst((q.burst() / servers).max(1));
+                    }
+                    b.max_log_len(q.limit()).build()
+                })?)
+            }
+        };
+        let domains = self.store.failure_domains().max(1);
+        Ok(Limiter {
+            inner: Arc::new(Inner {
+                store: Arc::new(self.store),
+                rules: self.rules.into_boxed_slice(),
+                policy,
+                deadline: self.deadline,
+                breakers: (0..domains).map(|_| Breaker::default()).collect(),
+                breaker_config: self.breaker,
+                clock: self.clock,
+                degraded: AtomicU64::new(0),
+                store_errors: AtomicU64::new(0),
+                opened: AtomicU64::new(0),
+            }),
+        })
+    }
+}
+
+fn local_policy(
+    rules: &[Rule],
+    clock: &Arc<dyn Clock>,
+    quota_for: impl Fn(&Quota) -> Result<Quota, ConfigError>,
+) -> Result<Policy, ConfigError> {
+    let rules = rules
+        .iter()
+        .map(|r| Rule::new(r.name(), quota_for(r.quota())?))
+        .collect::<Result<Vec<_>, _>>()?;
+    let store = MemoryStore::builder()
+        .clock(SharedClock(clock.clone()))
+        .build()?;
+    Ok(Policy::Local {
+        store,
+        rules: rules.into_boxed_slice(),
+    })
+}
+
+/// A clock shared with the limiter.
+#[derive(Debug)]
+struct SharedClock(Arc<dyn Clock>);
+
+impl Clock for SharedClock {
+    fn now_us(&self) -> u64 {
+        self.0.now_us()
+    }
+}
+
+impl<S: Store> LimiterBuilder<S, PolicyUnset> {
+    /// Choose what happens when the store cannot decide. Required for stores that can fail.
+    pub fn on_store_error(self, policy: OnStoreError) -> LimiterBuilder<S, OnStoreError> {
+        LimiterBuilder {
+            store: self.store,
+            rules: self.rules,
+            policy: Some(policy),
+            deadline: self.deadline,
+            breaker: self.breaker,
+            clock: self.clock,
+            _policy: PhantomData,
+        }
+    }
+}
+
+impl<S: InfallibleStore> LimiterBuilder<S, PolicyUnset> {
+    /// Validate (at least one rule, unique names) and build.
+    pub fn build(self) -> Result<Limiter, ConfigError> {
+        self.build_inner()
+    }
+}
+
+impl<S: Store> LimiterBuilder<S, OnStoreError> {
+    /// Validate (at least one rule, unique names, a valid policy) and build.
+    pub fn build(self) -> Result<Limiter, ConfigError> {
+        self.build_inner()
+    }
+}
+
+impl Limiter {
+    /// Start building a limiter on `store`.
+    pub fn builder<S: Store>(store: S) -> LimiterBuilder<S> {
+        LimiterBuilder {
+            store,
+            rules: Vec::new(),
+            policy: None,
+            deadline: DEFAULT_DEADLINE,
+            breaker: BreakerConfig::default(),
+            clock: Arc::new(SystemClock),
+            _policy: PhantomData,
+        }
+    }
+
+    /// The limiter's rules.
+    pub fn rules(&self) -> &[Rule] {
+        &self.inner.rules
+    }
+
+    /// Take `cost` permits for `key` from every rule, or from none if any rule denies. Returns
+    /// the most restrictive rule's decision.
+    pub async fn consume(&self, key: &Key, cost: u64) -> Result<Decision, Error> {
+        self.apply(Op::Consume, key, cost).await
+    }
+
+    /// The decision a request of cost 1 would get, without taking anything; `remaining` is the
+    /// count right now.
+    pub async fn peek(&self, key: &Key) -> Result<Decision, Error> {
+        self.apply(Op::Peek, key, 1).await
+    }
+
+    /// Give `cost` permits back to `key` under every rule, where the algorithm allows it (a
+    /// sliding log forgets its newest entries, a bucket refills, a window's count drops).
+    pub async fn refund(&self, key: &Key, cost: u64) -> Result<Decision, Error> {
+        self.apply(Op::Refund, key, cost).await
+    }
+
+    /// What the limiter has done so far: degraded decisions, store errors, breaker openings.
+    pub fn stats(&self) -> LimiterStats {
+        let i = &self.inner;
+        LimiterStats {
+            degraded_decisions: i.degraded.load(Ordering::Relaxed),
+            store_errors: i.store_errors.load(Ordering::Relaxed),
+            breaker_opened: i.opened.load(Ordering::Relaxed),
+            open_breakers: i
+                .breakers
+                .iter()
+                .filter(|b| b.state() == BreakerState::Open)
+                .count() as u64,
+        }
+    }
+
+    async fn apply(&self, op: Op, key: &Key, cost: u64) -> Result<Decision, Error> {
+        if cost == 0 {
+            return Err(Error::InvalidCost(cost));
+        }
+        let decisions = match &*self.inner.rules {
+            [rule] => self.inner.decide(op, &[Check { rule, key, cost }]).await?,
+            rules => {
+                let checks: Vec<Check<'_>> =
+                    rules.iter().map(|rule| Check { rule, key, cost }).collect();
+                self.inner.decide(op, &checks).await?
+            }
+        };
+        decisions
+            .into_iter()
+            .reduce(Decision::more_restrictive)
+            .ok_or_else(|| {
+                Error::Store(StoreError::Protocol(
+                    "the store returned no decision".into(),
+                ))
+            })
+    }
+}
+
+/// Frees an open breaker's probe slot if the request is dropped before the store answers.
+struct ProbeGuard<'a>(Option<&'a Breaker>);
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.0 {
+            b.abandon_probe();
+        }
+    }
+}
+
+impl Inner {
+    async fn decide(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, Error> {
+        let Some(policy) = &self.policy else {
+            // An infallible store: no deadline, no breaker.
+            return Ok(self.store.apply(op, checks).await?);
+        };
+        let domain = self.store.failure_domain(checks) % self.breakers.len();
+        let breaker = &self.breakers[domain];
+        let admission = breaker.admit(self.clock.now_us());
+        if admission == Admission::Skip {
+            return self.fallback(policy, op, checks).await;
+        }
+        let probe = admission == Admission::Probe;
+        let mut guard = ProbeGuard(probe.then_some(breaker));
+        let result = match tokio::time::timeout(self.deadline, self.store.apply(op, checks)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.deadline)),
+        };
+        guard.0 = None;
+        match result {
+            Ok(decisions) => {
+                if breaker.success() == Transition::Closed {
+                    tracing::info!(domain, "fleetlimit: store answers again; breaker closed");
+                }
+                Ok(decisions)
+            }
+            Err(error) => {
+                self.store_errors.fetch_add(1, Ordering::Relaxed);
+                if breaker.failure(self.clock.now_us(), probe, &self.breaker_config)
+                    == Transition::Opened
+                {
+                    self.opened.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        domain,
+                        %error,
+                        cool_down = ?self.breaker_config.cool_down,
+                        "fleetlimit: store failing; breaker opened, decisions follow the outage policy"
+                    );
+                } else {
+                    tracing::debug!(domain, %error, "fleetlimit: store call failed");
+                }
+                self.fallback(policy, op, checks).await
+            }
+        }
+    }
+
+    /// Decide without the store, as the policy says. Every such decision is marked degraded.
+    async fn fallback(
+        &self,
+        policy: &Policy,
+        op: Op,
+        checks: &[Check<'_>],
+    ) -> Result<Vec<Decision>, Error> {
+        self.degraded.fetch_add(1, Ordering::Relaxed);
+        let synthetic = |allowed: bool, retry_after: Option<Duration>| {
+            checks
+                .iter()
+                .map(|c| {
+                    let limit = c.rule.quota().capacity();
+                    let mut d = if allowed {
+                        Decision::admit(limit, limit, Duration::ZERO)
+                    } else {
+                        Decision::deny(limit, 0, Duration::ZERO, retry_after)
+                    };
+                    d.source = Source::Policy;
+                    d.degraded = true;
+                    d
+                })
+                .collect()
+        };
+        Ok(match policy {
+            Policy::Open => synthetic(true, None),
+            Policy::Closed { retry_after } => synthetic(false, Some(*retry_after)),
+            Policy::Local { store, rules } => {
+                let local: Vec<Check<'_>> = checks
+                    .iter()
+                    .map(|c| Check {
+                        rule: rules
+                            .iter()
+                            .find(|r| r.name() == c.rule.name())
+                            .unwrap_or(c.rule),
+                        key: c.key,
+                        cost: c.cost,
+                    })
+                    .collect();
+                let mut decisions = store.apply_now(op, &local);
+                for d in &mut decisions {
+                    d.source = Source::Fallback;
+                    d.degraded = true;
+                }
+                decisions
+            }
+        })
+    }
+}

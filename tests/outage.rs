@@ -1,0 +1,404 @@
+//! Failure is a decision: real redis-server processes killed, paused and restarted under load.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fleetlimit::store::RedisStore;
+use fleetlimit::{
+    Algorithm, BreakerConfig, Decision, Key, Limiter, OnStoreError, Quota, Rule, Source,
+};
+use support::redis::{RedisCluster, RedisServer};
+use tokio::sync::Mutex;
+
+/// Generous for a loaded 2-core CI machine, and still what every request is held to.
+const DEADLINE: Duration = Duration::from_millis(200);
+/// Scheduling slack on top of the deadline.
+const MARGIN: Duration = Duration::from_millis(300);
+
+fn rule(limit: u64) -> Rule {
+    Rule::new(
+        "outage",
+        Quota::per_hour(limit)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+async fn limiter(url: &str, policy: OnStoreError, limit: u64) -> Limiter {
+    let store = RedisStore::builder()
+        .timeout(DEADLINE)
+        .connect(url)
+        .await
+        .unwrap();
+    Limiter::builder(store)
+        .rule(rule(limit))
+        .on_store_error(policy)
+        .deadline(DEADLINE)
+        .breaker(BreakerConfig {
+            failures: 3,
+            cool_down: Duration::from_millis(200),
+        })
+        .build()
+        .unwrap()
+}
+
+/// One decision, timed.
+#[derive(Debug, Clone)]
+struct Sample {
+    started: Instant,
+    took: Duration,
+    decision: Decision,
+    key: usize,
+}
+
+/// Runs `workers` tasks deciding on `keys` keys until `stop` is set; returns every sample.
+fn load(
+    limiter: Limiter,
+    workers: usize,
+    keys: usize,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<Sample>> {
+    tokio::spawn(async move {
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for w in 0..workers {
+            let (limiter, stop, samples) = (limiter.clone(), stop.clone(), samples.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut i = w;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let key = i % keys;
+                    i += workers;
+                    let started = Instant::now();
+                    let decision = limiter
+                        .consume(&Key::new(format!("k{key}")), 1)
+                        .await
+                        .unwrap();
+                    samples.lock().await.push(Sample {
+                        started,
+                        took: started.elapsed(),
+                        decision,
+                        key,
+                    });
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let samples = samples.lock().await.clone();
+        samples
+    })
+}
+
+fn stop_flag() -> Arc<std::sync::atomic::AtomicBool> {
+    Arc::new(std::sync::atomic::AtomicBool::new(false))
+}
+
+fn assert_within_deadline(samples: &[Sample]) {
+    let worst = samples.iter().map(|s| s.took).max().unwrap_or_default();
+    assert!(
+        worst <= DEADLINE + MARGIN,
+        "a decision took {worst:?} (deadline {DEADLINE:?})"
+    );
+}
+
+/// Kill Redis under load; the decisions after the kill follow the policy.
+async fn kill_mid_load(policy: OnStoreError) -> (Vec<Sample>, Instant, Limiter) {
+    let mut server = RedisServer::start();
+    let limiter = limiter(&server.url(), policy, 1_000).await;
+    let tasks_before = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    let stop = stop_flag();
+    let running = load(limiter.clone(), 8, 4, stop.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.kill();
+    let killed = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let samples = running.await.unwrap();
+    assert!(samples.len() > 200, "the load ran: {}", samples.len());
+    assert!(samples
+        .iter()
+        .any(|s| s.started < killed && !s.decision.degraded));
+    assert_within_deadline(&samples);
+    let stats = limiter.stats();
+    assert!(stats.breaker_opened >= 1, "{stats:?}");
+    assert!(stats.degraded_decisions > 0, "{stats:?}");
+    // Nothing we started is left running (the connection manager's own tasks excepted).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let tasks_after = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    assert!(
+        tasks_after <= tasks_before + 1,
+        "{tasks_before} → {tasks_after} tasks"
+    );
+    (samples, killed, limiter)
+}
+
+fn after(samples: &[Sample], t: Instant) -> Vec<&Sample> {
+    samples.iter().filter(|s| s.started >= t).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_with_fail_open_admits_everything_marked_degraded() {
+    let (samples, killed, _) = kill_mid_load(OnStoreError::FailOpen).await;
+    // Requests already in flight at the kill may still fail first; from 1 deadline on, all follow
+    // the policy.
+    let late = after(&samples, killed + DEADLINE);
+    assert!(!late.is_empty());
+    for s in late {
+        assert!(s.decision.allowed && s.decision.degraded, "{s:?}");
+        assert_eq!(s.decision.source, Source::Policy);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_with_fail_closed_refuses_everything_with_503() {
+    let (samples, killed, limiter) = kill_mid_load(OnStoreError::fail_closed()).await;
+    let late = after(&samples, killed + DEADLINE);
+    assert!(!late.is_empty());
+    for s in late {
+        assert!(!s.decision.allowed && s.decision.degraded, "{s:?}");
+        assert_eq!(s.decision.retry_after, Some(Duration::from_secs(1)));
+    }
+    // Through the layer: 503 with a short Retry-After and no made-up rate-limit numbers.
+    use tower::ServiceExt;
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(
+            fleetlimit::RateLimitLayer::new(limiter)
+                .key(fleetlimit::key::from_fn(|_| Some(Key::new("x")))),
+        );
+    let r = app
+        .oneshot(
+            http::Request::get("/")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert!(r.headers().get("ratelimit-remaining").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_with_a_local_fallback_keeps_the_local_quota() {
+    let local = Quota::per_hour(5)
+        .algorithm(Algorithm::SlidingLog)
+        .build()
+        .unwrap();
+    let (samples, _, _) = kill_mid_load(OnStoreError::Local(local)).await;
+    let mut admitted_locally = [0u64; 4];
+    for s in &samples {
+        if s.decision.source == Source::Fallback {
+            assert!(s.decision.degraded);
+            admitted_locally[s.key] += u64::from(s.decision.allowed);
+        }
+    }
+    assert!(
+        samples
+            .iter()
+            .filter(|s| s.decision.source == Source::Fallback)
+            .count()
+            > 50
+    );
+    for (key, n) in admitted_locally.iter().enumerate() {
+        assert_eq!(*n, 5, "key {key}: the local quota holds, exactly");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_redis_keeps_the_deadline_and_traffic_returns_after_sigcont() {
+    let server = RedisServer::start();
+    let limiter = limiter(&server.url(), OnStoreError::FailOpen, 1_000_000).await;
+    let stop = stop_flag();
+    let running = load(limiter.clone(), 8, 4, stop.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.pause();
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert!(limiter.stats().open_breakers >= 1, "{:?}", limiter.stats());
+    server.resume();
+    let resumed = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let samples = running.await.unwrap();
+    assert_within_deadline(&samples);
+    // Back on Redis within about a second of SIGCONT, and nothing degraded after that.
+    let back = samples
+        .iter()
+        .filter(|s| s.started >= resumed && s.decision.source == Source::Store)
+        .map(|s| s.started)
+        .min()
+        .expect("decisions came from Redis again");
+    assert!(
+        back - resumed < Duration::from_millis(1_000),
+        "{:?}",
+        back - resumed
+    );
+    let back_for_good = back + DEADLINE;
+    assert!(samples
+        .iter()
+        .filter(|s| s.started >= back_for_good)
+        .all(|s| !s.decision.degraded));
+    assert_eq!(limiter.stats().open_breakers, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_redis_is_used_again_and_limits_hold_from_its_state() {
+    let mut server = RedisServer::start();
+    let limiter = limiter(&server.url(), OnStoreError::fail_closed(), 3).await;
+    let k = Key::new("restart");
+    for _ in 0..3 {
+        assert!(limiter.consume(&k, 1).await.unwrap().allowed);
+    }
+    assert!(!limiter.consume(&k, 1).await.unwrap().allowed);
+    server.kill();
+    assert!(limiter.consume(&k, 1).await.unwrap().degraded);
+    server.restart(); // same port, empty, and without our script
+    let started = Instant::now();
+    let first = loop {
+        let d = limiter.consume(&k, 1).await.unwrap();
+        if !d.degraded {
+            break d;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never reconnected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The restarted server is empty: its state, not a stale assumption, decides.
+    assert!(first.allowed && first.remaining == 2, "{first:?}");
+    assert!(limiter.consume(&k, 1).await.unwrap().allowed);
+    assert!(limiter.consume(&k, 1).await.unwrap().allowed);
+    let d = limiter.consume(&k, 1).await.unwrap();
+    assert!(
+        !d.allowed && !d.degraded && d.source == Source::Store,
+        "{d:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_master_only_degrades_its_own_keys() {
+    let mut cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .timeout(DEADLINE)
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let r = rule(1_000_000);
+    let limiter = Limiter::builder(store.clone())
+        .rule(r.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(DEADLINE)
+        .build()
+        .unwrap();
+    // Keys by the master that owns them.
+    let mut by_node: Vec<Vec<Key>> = vec![Vec::new(); 3];
+    for i in 0..300 {
+        let k = Key::new(format!("spread-{i}"));
+        let node = cluster.node_for_slot(fleetlimit::store::redis::slot(&store.key_for(&r, &k)));
+        by_node[node].push(k);
+    }
+    assert!(by_node.iter().all(|keys| keys.len() > 20));
+    for keys in &by_node {
+        assert!(!limiter.consume(&keys[0], 1).await.unwrap().degraded);
+    }
+    cluster.kill_node(0);
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut dead_degraded = 0;
+    while Instant::now() < until {
+        for (node, keys) in by_node.iter().enumerate() {
+            for k in keys.iter().take(10) {
+                let started = Instant::now();
+                let d = limiter.consume(k, 1).await.unwrap();
+                assert!(
+                    started.elapsed() <= DEADLINE + MARGIN,
+                    "{:?}",
+                    started.elapsed()
+                );
+                if node == 0 {
+                    assert!(d.allowed, "fail open");
+                    dead_degraded += u64::from(d.degraded);
+                } else {
+                    assert!(
+                        !d.degraded && d.source == Source::Store,
+                        "a live master's key was degraded: {d:?}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(dead_degraded > 0);
+}
+
+/// Repeated kill/restart cycles under load, bounded in time: every request answered within the
+/// deadline, no stuck requests, no growth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_kill_restart_cycles() {
+    let mut server = RedisServer::start();
+    let local = Quota::per_hour(1_000).build().unwrap();
+    let limiter = limiter(&server.url(), OnStoreError::Local(local), 1_000_000).await;
+    let tasks_before = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    let rss = || {
+        std::fs::read_to_string("/proc/self/statm")
+            .ok()
+            .and_then(|s| {
+                s.split_whitespace()
+                    .nth(1)
+                    .and_then(|p| p.parse::<u64>().ok())
+            })
+            .map_or(0, |pages| pages * 4096)
+    };
+    let mut rss_after_first = 0;
+    let mut total = 0;
+    for cycle in 0..6 {
+        let stop = stop_flag();
+        let running = load(limiter.clone(), 8, 64, stop.clone());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        server.kill();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        server.restart();
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let samples = tokio::time::timeout(Duration::from_secs(10), running)
+            .await
+            .expect("no stuck request")
+            .unwrap();
+        assert_within_deadline(&samples);
+        // Every cycle ends back on Redis.
+        assert!(
+            samples
+                .iter()
+                .rev()
+                .take(8)
+                .all(|s| s.decision.source == Source::Store),
+            "cycle {cycle}"
+        );
+        total += samples.len();
+        if cycle == 0 {
+            rss_after_first = rss();
+        }
+    }
+    assert!(total > 2_000, "{total} decisions");
+    let grown = rss().saturating_sub(rss_after_first);
+    assert!(grown < 32 << 20, "resident memory grew by {grown} bytes");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let tasks_after = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    assert!(
+        tasks_after <= tasks_before + 1,
+        "{tasks_before} → {tasks_after} tasks"
+    );
+}
