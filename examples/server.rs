@@ -6,6 +6,7 @@
 //!     [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...]
 //!     [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra]
 //!     [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local]
+//!     [--headers draft6|ietf|legacy|none]
 //! ```
 //!
 //! Durations are written `500ms`, `60s`, `1m`, `1h`. For `token-bucket` and `gcra`, `--limit`
@@ -19,13 +20,14 @@ use std::time::Duration;
 use axum::{routing::get, Router};
 use fleetlimit::store::RedisStore;
 use fleetlimit::{
-    key, Algorithm, Key, Limiter, MemoryStore, OnStoreError, Quota, RateLimitLayer, Rule,
+    key, Algorithm, HeaderStyle, Limiter, MemoryStore, OnStoreError, Quota, RateLimitLayer, Rule,
 };
 
 const USAGE: &str = "usage: server [--port 3000] \
 [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...] \
 [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra] \
-[--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local]";
+[--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local] \
+[--headers draft6|ietf|legacy|none]";
 
 #[derive(Debug)]
 struct Options {
@@ -36,6 +38,7 @@ struct Options {
     period: Duration,
     burst: Option<u64>,
     on_store_error: Option<String>,
+    headers: HeaderStyle,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -71,6 +74,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
         period: Duration::from_secs(60),
         burst: None,
         on_store_error: None,
+        headers: HeaderStyle::Draft6,
     };
     let mut args = args.peekable();
     while let Some(arg) = args.next() {
@@ -107,6 +111,10 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
             }
             "--period" => {
                 o.period = parse_duration(&value()?).map_err(|e| format!("--period: {e}"))?
+            }
+            "--headers" => {
+                let v = value()?;
+                o.headers = v.parse().map_err(|e| format!("--headers: {e}"))?;
             }
             "--on-store-error" => {
                 let v = value()?;
@@ -206,12 +214,11 @@ async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
         .build(),
     }
     .map_err(|e| e.to_string())?;
-    Ok(RateLimitLayer::new(limiter).key(key::from_fn(|parts| {
-        parts
-            .headers
-            .get("x-api-key")
-            .map(|v| Key::new(v.as_bytes()))
-    })))
+    RateLimitLayer::builder(limiter)
+        .key(key::header("x-api-key"))
+        .headers(o.headers)
+        .build()
+        .map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -326,6 +333,11 @@ mod tests {
         ])
         .is_ok());
         assert!(parse(&["--on-store-error", "maybe"]).is_err());
+        assert_eq!(
+            parse(&["--headers", "ietf"]).unwrap().headers,
+            HeaderStyle::Ietf
+        );
+        assert!(parse(&["--headers", "x"]).is_err());
         assert_eq!(
             StoreKind::parse("redis-cluster://127.0.0.1:7000,127.0.0.1:7001"),
             Ok(StoreKind::Cluster(vec![

@@ -13,7 +13,7 @@
 //! use std::net::SocketAddr;
 //!
 //! use axum::{routing::get, Router};
-//! use fleetlimit::{key, Key, Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
+//! use fleetlimit::{key, Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
 //!
 //! #[tokio::main]
 //! async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -21,9 +21,7 @@
 //!     let limiter = Limiter::builder(MemoryStore::new())
 //!         .rule(Rule::new("api", Quota::per_minute(100).build()?)?)
 //!         .build()?;
-//!     let layer = RateLimitLayer::new(limiter).key(key::from_fn(|parts| {
-//!         parts.headers.get("x-api-key").map(|v| Key::new(v.as_bytes()))
-//!     }));
+//!     let layer = RateLimitLayer::builder(limiter).key(key::header("x-api-key")).build()?;
 //!
 //!     let app = Router::new().route("/", get(|| async { "ok" })).layer(layer);
 //!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
@@ -57,7 +55,9 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use decision::{Decision, Source};
 pub use error::{ConfigError, Error, StoreError};
 pub use key::{Key, KeyExtractor};
-pub use layer::{HeaderStyle, RateLimitLayer};
+pub use layer::{
+    Denial, HeaderStyle, MissingKey, RateLimitInfo, RateLimitLayer, RateLimitLayerBuilder, Scope,
+};
 pub use limiter::{
     BreakerConfig, BreakerState, InfallibleStore, Limiter, LimiterBuilder, LimiterStats,
     OnStoreError, PolicyUnset, DEFAULT_DEADLINE,

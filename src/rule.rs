@@ -26,10 +26,12 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// A rule named `name` (non-empty, at most 64 bytes) enforcing `quota`.
+    /// A rule named `name` enforcing `quota`. Names are 1 to 64 visible ASCII characters other
+    /// than `"` and `\` (they appear in response headers).
     pub fn new(name: impl Into<String>, quota: Quota) -> Result<Rule, ConfigError> {
         let name: String = name.into();
-        if name.is_empty() || name.len() > MAX_RULE_NAME_LEN {
+        let visible = |b: u8| b.is_ascii_graphic() && b != b'"' && b != b'\\';
+        if name.is_empty() || name.len() > MAX_RULE_NAME_LEN || !name.bytes().all(visible) {
             return Err(ConfigError::InvalidRuleName(name));
         }
         Ok(Rule {
@@ -51,5 +53,26 @@ impl Rule {
     /// The rule's quota.
     pub fn quota(&self) -> &Quota {
         &self.quota
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        let q = Quota::per_second(1).build().unwrap();
+        assert!(Rule::new("per-ip:v2", q.clone()).is_ok());
+        for bad in [
+            "",
+            "has space",
+            "quo\"te",
+            "back\\slash",
+            "ünï",
+            &"x".repeat(65),
+        ] {
+            assert!(Rule::new(bad, q.clone()).is_err(), "{bad:?}");
+        }
     }
 }

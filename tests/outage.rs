@@ -173,8 +173,10 @@ async fn killed_redis_with_fail_closed_refuses_everything_with_503() {
     let app = axum::Router::new()
         .route("/", axum::routing::get(|| async { "ok" }))
         .layer(
-            fleetlimit::RateLimitLayer::new(limiter)
-                .key(fleetlimit::key::from_fn(|_| Some(Key::new("x")))),
+            fleetlimit::RateLimitLayer::builder(limiter)
+                .key(fleetlimit::key::global())
+                .build()
+                .unwrap(),
         );
     let r = app
         .oneshot(

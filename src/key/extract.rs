@@ -53,6 +53,64 @@ where
     }
 }
 
+/// A request header's value as the key (an API key, a tenant id). Any bytes are accepted; a
+/// request without the header has no key from this extractor (the layer falls back to the peer
+/// address). Values over 128 bytes are hashed, like every long key.
+///
+/// ```
+/// use fleetlimit::key::{header, KeyExtractor};
+/// use fleetlimit::Key;
+///
+/// let by_api_key = header("x-api-key");
+/// let (parts, _) = http::Request::builder().header("x-api-key", "abc").body(()).unwrap().into_parts();
+/// assert_eq!(by_api_key.extract(&parts), Some(Key::new("abc")));
+/// ```
+pub fn header(name: &'static str) -> HeaderKey {
+    HeaderKey(http::HeaderName::from_static(name))
+}
+
+/// A [`KeyExtractor`] reading a request header; see [`header`].
+#[derive(Debug, Clone)]
+pub struct HeaderKey(http::HeaderName);
+
+impl HeaderKey {
+    /// A header extractor for a name known only at run time (an error if it is not a valid
+    /// header name).
+    pub fn new(name: &str) -> Result<HeaderKey, crate::ConfigError> {
+        http::HeaderName::try_from(name)
+            .map(HeaderKey)
+            .map_err(|e| crate::ConfigError::Invalid {
+                setting: "header",
+                reason: format!("{name:?}: {e}"),
+            })
+    }
+}
+
+impl KeyExtractor for HeaderKey {
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        parts
+            .headers
+            .get(&self.0)
+            .filter(|v| !v.is_empty())
+            .map(|v| Key::new(v.as_bytes()))
+    }
+}
+
+/// One key for every request: a global limit.
+pub fn global() -> Global {
+    Global
+}
+
+/// A [`KeyExtractor`] giving every request the same key; see [`global`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Global;
+
+impl KeyExtractor for Global {
+    fn extract(&self, _: &Parts) -> Option<Key> {
+        Some(Key::global())
+    }
+}
+
 /// The peer's address, from axum's `ConnectInfo<SocketAddr>` (with the `axum` feature) or a
 /// plain `SocketAddr` request extension. IPv6 peers are grouped by a prefix (default /64).
 #[derive(Debug, Clone, Copy)]

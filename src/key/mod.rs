@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 
 mod extract;
 
-pub use extract::{from_fn, FnExtractor, KeyExtractor, PeerIp};
+pub use extract::{from_fn, global, header, FnExtractor, Global, HeaderKey, KeyExtractor, PeerIp};
 
 /// User keys longer than this many bytes are stored as their SHA-256.
 pub const MAX_KEY_LEN: usize = 128;

@@ -2,6 +2,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -9,20 +10,85 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::layer::Config;
-use super::{response, HeaderStyle, ResponseBody};
-use crate::store::BoxFuture;
-use crate::{Decision, Error, Key};
+use super::{response, RateLimitInfo, ResponseBody};
+use crate::store::{BoxFuture, Op};
+use crate::{Decision, Error, Key, Rule};
+
+/// What was decided for one request, kept until the response is out.
+struct Verdict {
+    config: Arc<Config>,
+    targets: Vec<(usize, Key)>,
+    cost: u64,
+    decisions: Vec<Decision>,
+    governing: Decision,
+    /// Shadow mode let through a request that would have been denied.
+    would_deny: bool,
+}
+
+impl Verdict {
+    fn rules(&self) -> Vec<&Rule> {
+        let rules = self.config.limiter.rules();
+        self.targets
+            .iter()
+            .filter_map(|(i, _)| rules.get(*i))
+            .collect()
+    }
+
+    fn write_headers(&self, headers: &mut http::HeaderMap) {
+        self.config
+            .headers
+            .write(&self.rules(), &self.decisions, &self.governing, headers);
+    }
+
+    fn info(&self) -> RateLimitInfo {
+        RateLimitInfo {
+            decision: self.governing,
+            would_deny: self.would_deny,
+        }
+    }
+
+    /// The permits to give back for a response with this status, if any.
+    fn refund(&self, status: StatusCode) -> Option<BoxFuture<'static, ()>> {
+        if !self.governing.allowed || self.would_deny {
+            return None; // nothing was taken
+        }
+        let refunds: Vec<(usize, Key)> = self
+            .targets
+            .iter()
+            .filter(|(i, _)| {
+                self.config.scopes[*i]
+                    .refund_if
+                    .as_ref()
+                    .is_some_and(|refund| refund(status))
+            })
+            .cloned()
+            .collect();
+        if refunds.is_empty() {
+            return None;
+        }
+        let limiter = self.config.limiter.clone();
+        let cost = self.cost;
+        Some(Box::pin(async move {
+            if let Err(error) = limiter.apply_indexed(Op::Refund, &refunds, cost).await {
+                tracing::warn!(%error, "fleetlimit: refund failed; the permits stay taken");
+            }
+        }))
+    }
+}
+
+type Decided = (Result<Vec<Decision>, Error>, Vec<(usize, Key)>);
 
 pin_project! {
     /// The future of a [`RateLimitService`](super::RateLimitService) call: first the decision,
-    /// then (if admitted) the inner service, whose response gets the rate-limit headers.
+    /// then (if admitted) the inner service, whose response gets the rate-limit headers, then any
+    /// refund its status calls for.
     pub struct ResponseFuture<S, B>
     where
         S: Service<Request<B>>,
     {
         #[pin]
         state: State<S, B>,
-        config: Option<Arc<Config>>,
+        verdict: Option<Verdict>,
     }
 }
 
@@ -33,14 +99,19 @@ pin_project! {
         S: Service<Request<B>>,
     {
         Deciding {
-            decision: BoxFuture<'static, Result<Decision, Error>>,
+            decision: BoxFuture<'static, Decided>,
+            config: Option<(Arc<Config>, u64, bool)>,
             inner: Option<S>,
             req: Option<Request<B>>,
+            started: Instant,
         },
         Calling {
             #[pin]
             future: S::Future,
-            decision: Decision,
+        },
+        Refunding {
+            refund: BoxFuture<'static, ()>,
+            response: Option<S::Response>,
         },
         Answered {
             response: Option<Response<Bytes>>,
@@ -52,38 +123,97 @@ impl<S, B> ResponseFuture<S, B>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn checking(config: Arc<Config>, key: Key, inner: S, req: Request<B>) -> Self {
+    pub(crate) fn check(
+        config: Arc<Config>,
+        targets: Vec<(usize, Key)>,
+        cost: u64,
+        grpc: bool,
+        inner: S,
+        req: Request<B>,
+    ) -> Self {
         let limiter = config.limiter.clone();
-        let decision: BoxFuture<'static, _> =
-            Box::pin(async move { limiter.consume(&key, 1).await });
+        let decision: BoxFuture<'static, Decided> = Box::pin(async move {
+            let result = limiter.apply_indexed(Op::Consume, &targets, cost).await;
+            (result, targets)
+        });
         ResponseFuture {
             state: State::Deciding {
                 decision,
+                config: Some((config, cost, grpc)),
                 inner: Some(inner),
                 req: Some(req),
+                started: Instant::now(),
             },
-            config: Some(config),
+            verdict: None,
+        }
+    }
+
+    pub(crate) fn pass(future: S::Future) -> Self {
+        ResponseFuture {
+            state: State::Calling { future },
+            verdict: None,
         }
     }
 
     /// No extractor produced a key and the peer address is unknown: the server is misconfigured
     /// (e.g. axum served without `into_make_service_with_connect_info`). Say so loudly rather than
     /// share one bucket between every client.
-    pub(crate) fn no_key() -> Self {
+    pub(crate) fn no_key(grpc: bool) -> Self {
         tracing::error!(
             "fleetlimit: no rate-limit key for a request (no extractor matched and no peer address; \
              serve axum with `into_make_service_with_connect_info::<SocketAddr>()`)"
         );
-        let response = response::json(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            r#"{"error":"no_rate_limit_key"}"#,
-        );
+        let response = if grpc {
+            let mut r = Response::new(Bytes::new());
+            let h = r.headers_mut();
+            h.insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/grpc"),
+            );
+            h.insert("grpc-status", http::HeaderValue::from_static("13"));
+            h.insert(
+                "grpc-message",
+                http::HeaderValue::from_static("no rate-limit key"),
+            );
+            r
+        } else {
+            response::json(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "application/json",
+                r#"{"error":"no_rate_limit_key"}"#,
+            )
+        };
         ResponseFuture {
             state: State::Answered {
                 response: Some(response),
             },
-            config: None,
+            verdict: None,
         }
+    }
+}
+
+fn log_decisions(
+    config: &Config,
+    targets: &[(usize, Key)],
+    decisions: &[Decision],
+    started: Instant,
+) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    let latency_us = started.elapsed().as_micros() as u64;
+    for ((i, key), d) in targets.iter().zip(decisions) {
+        let rule = config.limiter.rules().get(*i).map_or("?", |r| r.name());
+        tracing::debug!(
+            rule,
+            %key,
+            allowed = d.allowed,
+            remaining = d.remaining,
+            source = ?d.source,
+            degraded = d.degraded,
+            latency_us,
+            "fleetlimit: decision"
+        );
     }
 }
 
@@ -99,43 +229,86 @@ where
             match this.state.as_mut().project() {
                 StateProj::Deciding {
                     decision,
+                    config,
                     inner,
                     req,
+                    started,
                 } => {
-                    let result = ready!(decision.as_mut().poll(cx));
-                    let (headers, unavailable) = this.config.as_ref().map_or(
-                        (HeaderStyle::default(), StatusCode::SERVICE_UNAVAILABLE),
-                        |c| (c.headers, c.unavailable_status),
-                    );
-                    match result {
-                        Ok(decision) if decision.allowed => {
-                            let (Some(mut inner), Some(req)) = (inner.take(), req.take()) else {
-                                unreachable!("the request is taken once, on admission")
-                            };
-                            let future = inner.call(req);
-                            this.state.set(State::Calling { future, decision });
-                        }
-                        Ok(decision) => {
-                            let response = response::denied(&decision, headers, unavailable);
-                            return Poll::Ready(Ok(response.map(ResponseBody::full)));
-                        }
+                    let (result, targets) = ready!(decision.as_mut().poll(cx));
+                    let Some((config, cost, grpc)) = config.take() else {
+                        unreachable!("the decision completes once")
+                    };
+                    let decisions = match result {
+                        Ok(d) => d,
                         Err(error) => {
                             tracing::error!(%error, "fleetlimit: rate-limit decision failed");
-                            let response = response::json(
+                            let r = response::json(
                                 StatusCode::SERVICE_UNAVAILABLE,
+                                "application/json",
                                 r#"{"error":"rate_limiter_unavailable"}"#,
                             );
-                            return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                            return Poll::Ready(Ok(r.map(ResponseBody::full)));
                         }
+                    };
+                    log_decisions(&config, &targets, &decisions, *started);
+                    let governing = decisions
+                        .iter()
+                        .copied()
+                        .reduce(Decision::more_restrictive)
+                        .unwrap_or_else(|| Decision::admit(0, 0, std::time::Duration::ZERO));
+                    let would_deny = !governing.allowed && config.shadow;
+                    let verdict = Verdict {
+                        config,
+                        targets,
+                        cost,
+                        decisions,
+                        governing,
+                        would_deny,
+                    };
+                    if governing.allowed || would_deny {
+                        if would_deny {
+                            tracing::info!(
+                                retry_after = ?governing.retry_after,
+                                "fleetlimit: shadow mode let through a request it would deny"
+                            );
+                        }
+                        let (Some(mut inner), Some(mut req)) = (inner.take(), req.take()) else {
+                            unreachable!("the request is taken once, on admission")
+                        };
+                        req.extensions_mut().insert(verdict.info());
+                        let future = inner.call(req);
+                        *this.verdict = Some(verdict);
+                        this.state.set(State::Calling { future });
+                    } else {
+                        let c = &verdict.config;
+                        let mut response =
+                            response::denied(&governing, &c.denial, grpc, c.unavailable_status);
+                        verdict.write_headers(response.headers_mut());
+                        response.extensions_mut().insert(verdict.info());
+                        return Poll::Ready(Ok(response.map(ResponseBody::full)));
                     }
                 }
-                StateProj::Calling { future, decision } => {
-                    let response = ready!(future.poll(cx))?;
-                    let (mut parts, body) = response.into_parts();
-                    if let Some(config) = this.config.as_ref() {
-                        config.headers.write(decision, &mut parts.headers);
+                StateProj::Calling { future } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    let Some(verdict) = this.verdict.as_ref() else {
+                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    };
+                    verdict.write_headers(response.headers_mut());
+                    response.extensions_mut().insert(verdict.info());
+                    match verdict.refund(response.status()) {
+                        Some(refund) => this.state.set(State::Refunding {
+                            refund,
+                            response: Some(response),
+                        }),
+                        None => return Poll::Ready(Ok(response.map(ResponseBody::inner))),
                     }
-                    return Poll::Ready(Ok(Response::from_parts(parts, ResponseBody::inner(body))));
+                }
+                StateProj::Refunding { refund, response } => {
+                    ready!(refund.as_mut().poll(cx));
+                    let response = response
+                        .take()
+                        .unwrap_or_else(|| panic!("ResponseFuture polled after completion"));
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Answered { response } => {
                     let response = response

@@ -1,18 +1,37 @@
 use std::sync::Arc;
 
+use http::request::Parts;
 use http::StatusCode;
 use tower_layer::Layer;
 
-use super::{HeaderStyle, RateLimitService};
+use super::{Denial, HeaderStyle, RateLimitService, Scope};
+use crate::error::ConfigError;
 use crate::key::{KeyExtractor, PeerIp};
-use crate::Limiter;
+use crate::{Key, Limiter};
+
+/// What to do with a request for which no key can be found (no extractor matched and the peer
+/// address is unknown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingKey {
+    /// Answer `500` with `{"error":"no_rate_limit_key"}` and log an error: a server that cannot
+    /// tell its clients apart is misconfigured (axum served without
+    /// `into_make_service_with_connect_info`, say). The default.
+    #[default]
+    Reject,
+    /// Let the request through without that rule.
+    Skip,
+    /// Count it in one bucket shared by every keyless request.
+    Shared,
+}
 
 /// Rate-limits every request through a [`Limiter`].
 ///
-/// The key comes from the extractor set with [`key`](RateLimitLayer::key), falling back to the
-/// peer address (axum's `ConnectInfo<SocketAddr>` or a `SocketAddr` extension). Every response,
+/// The key comes from the extractor set with [`key`](RateLimitLayerBuilder::key), falling back
+/// to the peer address (axum's `ConnectInfo<SocketAddr>`, tonic's connect info, or a
+/// `SocketAddr` extension; forwarding headers only from trusted proxies). Every response,
 /// admitted or denied, carries the rate-limit headers; a denial is a `429 Too Many Requests`
-/// with `Retry-After` in whole seconds, rounded up.
+/// with `Retry-After` in whole seconds, rounded up (gRPC calls get `RESOURCE_EXHAUSTED`).
 ///
 /// Cheap to clone; every service it makes shares the same limiter, so every clone enforces the
 /// same limit.
@@ -24,8 +43,9 @@ use crate::Limiter;
 /// let limiter = Limiter::builder(MemoryStore::new())
 ///     .rule(Rule::new("api", Quota::per_minute(100).build()?)?)
 ///     .build()?;
-/// let layer = RateLimitLayer::new(limiter)
-///     .key(key::from_fn(|parts| parts.headers.get("x-api-key").map(|v| Key::new(v.as_bytes()))));
+/// let layer = RateLimitLayer::builder(limiter)
+///     .key(key::header("x-api-key"))
+///     .build()?;
 /// let app: Router = Router::new().route("/", get(|| async { "ok" })).layer(layer);
 /// # let _ = app;
 /// # Ok::<(), fleetlimit::ConfigError>(())
@@ -35,69 +55,221 @@ pub struct RateLimitLayer {
     pub(crate) config: Arc<Config>,
 }
 
-#[derive(Clone)]
+type CostFn = Arc<dyn Fn(&Parts) -> u64 + Send + Sync>;
+
 pub(crate) struct Config {
     pub(crate) limiter: Limiter,
-    pub(crate) extractor: Option<Arc<dyn KeyExtractor>>,
+    pub(crate) key: Option<Arc<dyn KeyExtractor>>,
     pub(crate) peer: PeerIp,
+    /// One entry per limiter rule, in the limiter's order.
+    pub(crate) scopes: Box<[Scope]>,
+    pub(crate) cost: Option<CostFn>,
     pub(crate) headers: HeaderStyle,
+    pub(crate) denial: Denial,
     pub(crate) unavailable_status: StatusCode,
+    pub(crate) missing_key: MissingKey,
+    pub(crate) shadow: bool,
+}
+
+/// What the layer does with one request.
+pub(crate) enum Plan {
+    /// No rule applies (or the request costs nothing): straight to the service.
+    Pass,
+    /// An applicable rule has no key and the missing-key rule says reject.
+    NoKey,
+    /// Consume `cost` from these (rule index, key) pairs.
+    Check {
+        targets: Vec<(usize, Key)>,
+        cost: u64,
+    },
+}
+
+impl Config {
+    pub(crate) fn plan(&self, parts: &Parts) -> Plan {
+        let cost = self.cost.as_ref().map_or(1, |f| f(parts));
+        if cost == 0 {
+            return Plan::Pass;
+        }
+        let mut default_key: Option<Option<Key>> = None;
+        let mut targets = Vec::with_capacity(self.scopes.len());
+        for (i, scope) in self.scopes.iter().enumerate() {
+            if !scope.matches(parts) {
+                continue;
+            }
+            let key = match &scope.key {
+                Some(extractor) => extractor.extract(parts),
+                None => default_key
+                    .get_or_insert_with(|| {
+                        self.key
+                            .as_ref()
+                            .and_then(|e| e.extract(parts))
+                            .or_else(|| self.peer.extract(parts))
+                    })
+                    .clone(),
+            };
+            match (key, self.missing_key) {
+                (Some(key), _) => targets.push((i, key)),
+                (None, MissingKey::Reject) => return Plan::NoKey,
+                (None, MissingKey::Skip) => {}
+                (None, MissingKey::Shared) => targets.push((i, Key::new("fleetlimit:keyless"))),
+            }
+        }
+        if targets.is_empty() {
+            Plan::Pass
+        } else {
+            Plan::Check { targets, cost }
+        }
+    }
 }
 
 impl std::fmt::Debug for RateLimitLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.config;
         f.debug_struct("RateLimitLayer")
-            .field("limiter", &self.config.limiter)
-            .field("has_extractor", &self.config.extractor.is_some())
-            .field("peer", &self.config.peer)
-            .field("headers", &self.config.headers)
-            .finish()
+            .field("limiter", &c.limiter)
+            .field("scopes", &c.scopes)
+            .field("headers", &c.headers)
+            .field("denial", &c.denial)
+            .field("missing_key", &c.missing_key)
+            .field("shadow", &c.shadow)
+            .finish_non_exhaustive()
     }
 }
 
 impl RateLimitLayer {
-    /// A layer deciding through `limiter`, keyed by the peer address until
-    /// [`key`](RateLimitLayer::key) says otherwise.
+    /// A layer with the defaults: every rule of `limiter` on every request, keyed by the peer
+    /// address, draft-6 headers, JSON 429s.
     pub fn new(limiter: Limiter) -> RateLimitLayer {
-        RateLimitLayer {
-            config: Arc::new(Config {
+        RateLimitLayer::builder(limiter).finish()
+    }
+
+    /// Configure keys, scopes, cost, headers and denials.
+    pub fn builder(limiter: Limiter) -> RateLimitLayerBuilder {
+        let scopes = vec![Scope::new(); limiter.rules().len()];
+        RateLimitLayerBuilder {
+            config: Config {
                 limiter,
-                extractor: None,
+                key: None,
                 peer: PeerIp::default(),
+                scopes: scopes.into_boxed_slice(),
+                cost: None,
                 headers: HeaderStyle::default(),
+                denial: Denial::default(),
                 unavailable_status: StatusCode::SERVICE_UNAVAILABLE,
-            }),
+                missing_key: MissingKey::default(),
+                shadow: false,
+            },
+            errors: Vec::new(),
         }
     }
+}
 
-    /// Configuration happens before the layer is shared; a clone made earlier keeps its own.
-    fn config_mut(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.config)
+/// Builder for [`RateLimitLayer`]; [`build`](RateLimitLayerBuilder::build) validates.
+#[must_use = "a layer builder does nothing until `build` is called"]
+pub struct RateLimitLayerBuilder {
+    config: Config,
+    errors: Vec<ConfigError>,
+}
+
+impl std::fmt::Debug for RateLimitLayerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimitLayerBuilder")
+            .finish_non_exhaustive()
     }
+}
 
+impl RateLimitLayerBuilder {
     /// Key requests with `extractor`; when it returns `None`, the peer address is used.
     pub fn key(mut self, extractor: impl KeyExtractor) -> Self {
-        self.config_mut().extractor = Some(Arc::new(extractor));
+        self.config.key = Some(Arc::new(extractor));
         self
     }
 
-    /// How the peer-address fallback reads addresses (e.g. the IPv6 grouping prefix).
+    /// How the peer address is read: trusted proxies, IPv6 grouping.
     pub fn peer_ip(mut self, peer: PeerIp) -> Self {
-        self.config_mut().peer = peer;
+        self.config.peer = peer;
+        self
+    }
+
+    /// Where and how the limiter's rule `rule` applies. Rules without a scope apply to every
+    /// request with the layer's key. An unknown rule name is an error at `build`.
+    pub fn scope(mut self, rule: &str, scope: Scope) -> Self {
+        match self
+            .config
+            .limiter
+            .rules()
+            .iter()
+            .position(|r| r.name() == rule)
+        {
+            Some(i) => self.config.scopes[i] = scope,
+            None => self.errors.push(ConfigError::Invalid {
+                setting: "scope",
+                reason: format!("the limiter has no rule named {rule:?}"),
+            }),
+        }
+        self
+    }
+
+    /// The cost of a request, from its parts (a bulk import 10, a read 1). A cost of 0 lets
+    /// the request through without counting it.
+    pub fn cost(mut self, cost: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Self {
+        self.config.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// Which rate-limit headers to write (default [`HeaderStyle::Draft6`]).
+    pub fn headers(mut self, style: HeaderStyle) -> Self {
+        self.config.headers = style;
+        self
+    }
+
+    /// How denials are answered (default [`Denial::Json`]).
+    pub fn denial(mut self, denial: Denial) -> Self {
+        self.config.denial = denial;
         self
     }
 
     /// The status of a refusal made because the store is down and the outage policy fails
     /// closed (default 503 Service Unavailable; 429 is the other common choice).
     pub fn unavailable_status(mut self, status: StatusCode) -> Self {
-        self.config_mut().unavailable_status = status;
+        self.config.unavailable_status = status;
         self
     }
 
-    /// Which rate-limit headers to write (default [`HeaderStyle::Draft6`]).
-    pub fn headers(mut self, style: HeaderStyle) -> Self {
-        self.config_mut().headers = style;
+    /// What to do with requests that have no key (default [`MissingKey::Reject`]).
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.config.missing_key = missing;
         self
+    }
+
+    /// Shadow mode, for rolling out a new limit: decide, count, set headers and log as usual,
+    /// but never deny. A request that would have been denied is logged at `info` and its
+    /// response carries [`RateLimitInfo`](super::RateLimitInfo) with `would_deny: true`.
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.config.shadow = shadow;
+        self
+    }
+
+    /// Validate and build the layer.
+    pub fn build(mut self) -> Result<RateLimitLayer, ConfigError> {
+        if let Some(error) = self.errors.drain(..).next() {
+            return Err(error);
+        }
+        if !self.config.unavailable_status.is_client_error()
+            && !self.config.unavailable_status.is_server_error()
+        {
+            return Err(ConfigError::Invalid {
+                setting: "unavailable_status",
+                reason: format!("{} is not an error status", self.config.unavailable_status),
+            });
+        }
+        Ok(self.finish())
+    }
+
+    fn finish(self) -> RateLimitLayer {
+        RateLimitLayer {
+            config: Arc::new(self.config),
+        }
     }
 }
 

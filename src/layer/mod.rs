@@ -2,17 +2,33 @@
 //!
 //! The decision is made in `call` (the service's `poll_ready` passes straight through to the
 //! inner service), and a denial is a response, never an error, so the wrapped service keeps its
-//! error type (axum needs `Infallible`).
+//! error type (axum needs `Infallible`) and its body type (wrapped in [`ResponseBody`]).
 
 mod body;
 mod future;
+mod headers;
 #[allow(clippy::module_inception)]
 mod layer;
 mod response;
+mod scope;
 mod service;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
-pub use layer::RateLimitLayer;
-pub use response::HeaderStyle;
+pub use headers::HeaderStyle;
+pub use layer::{MissingKey, RateLimitLayer, RateLimitLayerBuilder};
+pub use response::Denial;
+pub use scope::Scope;
 pub use service::RateLimitService;
+
+use crate::Decision;
+
+/// The rate-limit outcome of a request, put in the request's extensions (so handlers can read
+/// it) and in the response's (so outer middleware can log it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimitInfo {
+    /// The most restrictive decision among the rules that applied.
+    pub decision: Decision,
+    /// Shadow mode let the request through although it would have been denied.
+    pub would_deny: bool,
+}

@@ -1,133 +1,171 @@
-//! Rate-limit headers and denial responses, all written from one [`Decision`].
+//! Denial responses: JSON, RFC 9457 problem details, the user's own, and gRPC's
+//! `RESOURCE_EXHAUSTED`.
 
-use std::time::Duration;
+use std::fmt;
+use std::sync::Arc;
 
+use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
+use super::headers::{ceil_millis, ceil_secs};
 use crate::{Decision, Source};
-use bytes::Bytes;
 
-/// Which rate-limit headers to put on responses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How a denied request is answered (gRPC requests are always answered the gRPC way).
+#[derive(Clone, Default)]
 #[non_exhaustive]
-pub enum HeaderStyle {
-    /// `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (seconds): the widely
-    /// copied style of the IETF draft's sixth revision.
+pub enum Denial {
+    /// `429` with `{"error":"rate_limited","retry_after_ms":N}`.
     #[default]
-    Draft6,
-    /// No rate-limit headers (a denial still carries `Retry-After`).
-    None,
+    Json,
+    /// `429` with an RFC 9457 `application/problem+json` body.
+    Problem,
+    /// Your own response, built from the decision. `Retry-After` and the rate-limit headers
+    /// are added unless your response already has them.
+    Custom(Arc<dyn Fn(&Decision) -> Response<Bytes> + Send + Sync>),
 }
 
-static RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
-static RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
-static RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
-
-/// Whole seconds, rounded up: a client that waits this long is never early.
-pub(crate) fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+impl Denial {
+    /// A custom denial response.
+    pub fn custom(f: impl Fn(&Decision) -> Response<Bytes> + Send + Sync + 'static) -> Denial {
+        Denial::Custom(Arc::new(f))
+    }
 }
 
-/// Whole milliseconds, rounded up.
-pub(crate) fn ceil_millis(d: Duration) -> u64 {
-    let ms = d.as_millis();
-    let ms = if d.as_nanos() % 1_000_000 != 0 {
-        ms + 1
-    } else {
-        ms
-    };
-    u64::try_from(ms).unwrap_or(u64::MAX)
-}
-
-impl HeaderStyle {
-    /// Write this style's headers for `decision` into `headers`. A decision the outage policy
-    /// made without counting gets none: its numbers would describe nothing.
-    pub(crate) fn write(self, decision: &Decision, headers: &mut HeaderMap) {
-        if decision.source == Source::Policy {
-            return;
-        }
+impl fmt::Debug for Denial {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            HeaderStyle::Draft6 => {
-                headers.insert(RATELIMIT_LIMIT.clone(), HeaderValue::from(decision.limit));
-                headers.insert(
-                    RATELIMIT_REMAINING.clone(),
-                    HeaderValue::from(decision.remaining),
-                );
-                headers.insert(
-                    RATELIMIT_RESET.clone(),
-                    HeaderValue::from(ceil_secs(decision.reset_after)),
-                );
-            }
-            HeaderStyle::None => {}
+            Denial::Json => f.write_str("Json"),
+            Denial::Problem => f.write_str("Problem"),
+            Denial::Custom(_) => f.write_str("Custom"),
         }
     }
 }
 
-/// The response to a denial: `Retry-After` in whole seconds (rounded up, at least 1), the
-/// headers of `style`, and a JSON body.
-///
-/// - Over the limit: 429, `{"error":"rate_limited","retry_after_ms":N}`; a cost the quota can
-///   never admit says `cost_exceeds_limit`, with no retry time.
-/// - Refused because the store is down and the policy fails closed: `unavailable_status`
-///   (503 by default: the client did nothing wrong), `{"error":"rate_limiter_unavailable",…}`.
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+
+/// Whether the request is a gRPC call (`content-type: application/grpc…`).
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// The response to a denial. `unavailable_status` answers refusals made because the store is
+/// down and the policy fails closed (503 by default: the client did nothing wrong).
 pub(crate) fn denied(
     decision: &Decision,
-    style: HeaderStyle,
+    denial: &Denial,
+    grpc: bool,
     unavailable_status: StatusCode,
 ) -> Response<Bytes> {
-    let mut response = if decision.source == Source::Policy {
+    let unavailable = decision.source == Source::Policy;
+    let mut response = if grpc {
+        grpc_denied(decision, unavailable)
+    } else if unavailable {
         let ms = decision.retry_after.map_or(0, ceil_millis);
         json(
             unavailable_status,
+            "application/json",
             format!(r#"{{"error":"rate_limiter_unavailable","retry_after_ms":{ms}}}"#),
         )
     } else {
-        over_limit(decision)
+        match denial {
+            Denial::Json => json(
+                StatusCode::TOO_MANY_REQUESTS,
+                "application/json",
+                json_body(decision),
+            ),
+            Denial::Problem => json(
+                StatusCode::TOO_MANY_REQUESTS,
+                "application/problem+json",
+                problem_body(decision),
+            ),
+            Denial::Custom(f) => f(decision),
+        }
     };
     if let Some(retry) = decision.retry_after {
-        response
-            .headers_mut()
-            .insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry).max(1)));
+        let headers = response.headers_mut();
+        if !headers.contains_key(RETRY_AFTER) {
+            headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry).max(1)));
+        }
     }
-    style.write(decision, response.headers_mut());
     response
 }
 
-fn over_limit(decision: &Decision) -> Response<Bytes> {
-    let body = match decision.retry_after {
+fn json_body(d: &Decision) -> String {
+    match d.retry_after {
         Some(retry) => format!(
             r#"{{"error":"rate_limited","retry_after_ms":{}}}"#,
             ceil_millis(retry)
         ),
         None => r#"{"error":"cost_exceeds_limit","retry_after_ms":null}"#.to_owned(),
+    }
+}
+
+fn problem_body(d: &Decision) -> String {
+    match d.retry_after {
+        Some(retry) => {
+            let ms = ceil_millis(retry);
+            format!(
+                r#"{{"type":"about:blank","title":"Too Many Requests","status":429,"detail":"Rate limit exceeded; retry in {ms} ms.","retry_after_ms":{ms},"limit":{},"remaining":{}}}"#,
+                d.limit, d.remaining
+            )
+        }
+        None => format!(
+            r#"{{"type":"about:blank","title":"Too Many Requests","status":429,"detail":"The request costs more than the limit ({}) can ever admit.","retry_after_ms":null,"limit":{},"remaining":{}}}"#,
+            d.limit, d.limit, d.remaining
+        ),
+    }
+}
+
+/// A gRPC trailers-only response: HTTP 200, `grpc-status` 8 (RESOURCE_EXHAUSTED; 14,
+/// UNAVAILABLE, when the store is down and the policy fails closed), a `grpc-message`, and
+/// the wait as `retry-after` (seconds) and `grpc-retry-pushback-ms` (gRPC's retry design; a
+/// negative value tells the client not to retry, for a cost that can never be admitted).
+fn grpc_denied(d: &Decision, unavailable: bool) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::new());
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    let (status, message) = if unavailable {
+        ("14", "rate limiter unavailable")
+    } else if d.retry_after.is_some() {
+        ("8", "rate limit exceeded")
+    } else {
+        ("8", "request cost exceeds the rate limit")
     };
-    json(StatusCode::TOO_MANY_REQUESTS, body)
+    h.insert(GRPC_STATUS.clone(), HeaderValue::from_static(status));
+    h.insert(GRPC_MESSAGE.clone(), HeaderValue::from_static(message));
+    let pushback = match d.retry_after {
+        Some(retry) => i64::try_from(ceil_millis(retry))
+            .unwrap_or(i64::MAX)
+            .min(i64::from(i32::MAX)),
+        None => -1,
+    };
+    h.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(pushback));
+    response
 }
 
 /// A JSON response written by the layer itself.
-pub(crate) fn json(status: StatusCode, body: impl Into<Bytes>) -> Response<Bytes> {
+pub(crate) fn json(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<Bytes> {
     let mut response = Response::new(body.into());
     *response.status_mut() = status;
     response
         .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rounding_is_up() {
-        assert_eq!(ceil_secs(Duration::ZERO), 0);
-        assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
-        assert_eq!(ceil_secs(Duration::from_millis(1000)), 1);
-        assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
-        assert_eq!(ceil_millis(Duration::from_micros(1)), 1);
-        assert_eq!(ceil_millis(Duration::from_micros(2000)), 2);
-    }
+    use std::time::Duration;
 
     #[test]
     fn retry_after_never_zero() {
@@ -137,8 +175,51 @@ mod tests {
             Duration::from_millis(3),
             Some(Duration::from_micros(10)),
         );
-        let r = denied(&d, HeaderStyle::Draft6, StatusCode::SERVICE_UNAVAILABLE);
+        let r = denied(&d, &Denial::Json, false, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()[RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn problem_details_are_json() {
+        let d = Decision::deny(
+            5,
+            0,
+            Duration::from_secs(3),
+            Some(Duration::from_millis(1500)),
+        );
+        let r = denied(&d, &Denial::Problem, false, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
+        let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+        assert_eq!(v["status"], 429);
+        assert_eq!(v["retry_after_ms"], 1500);
+        let never = Decision::deny(5, 5, Duration::ZERO, None);
+        let r = denied(
+            &never,
+            &Denial::Problem,
+            false,
+            StatusCode::SERVICE_UNAVAILABLE,
+        );
+        let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+        assert!(v["retry_after_ms"].is_null());
+    }
+
+    #[test]
+    fn grpc_is_trailers_only_resource_exhausted() {
+        let d = Decision::deny(
+            5,
+            0,
+            Duration::from_secs(3),
+            Some(Duration::from_millis(1500)),
+        );
+        let r = denied(&d, &Denial::Json, true, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(r.body().is_empty());
+        assert_eq!(r.headers()["grpc-status"], "8");
+        assert_eq!(r.headers()["grpc-retry-pushback-ms"], "1500");
+        assert_eq!(r.headers()[RETRY_AFTER], "2");
+        let never = Decision::deny(5, 5, Duration::ZERO, None);
+        let r = denied(&never, &Denial::Json, true, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()["grpc-retry-pushback-ms"], "-1");
     }
 }

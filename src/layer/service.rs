@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use super::layer::Config;
+use super::layer::{Config, Plan};
 use super::{ResponseBody, ResponseFuture};
 
 /// The service made by [`RateLimitLayer`](super::RateLimitLayer).
@@ -48,20 +48,19 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let (parts, body) = req.into_parts();
-        let config = &self.config;
-        let key = config
-            .extractor
-            .as_ref()
-            .and_then(|e| e.extract(&parts))
-            .or_else(|| crate::key::KeyExtractor::extract(&config.peer, &parts));
+        let plan = self.config.plan(&parts);
+        let grpc = super::response::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
-        // The inner service was driven to readiness; keep that instance for this call and leave
-        // a fresh clone behind (the Tower-documented pattern).
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        match key {
-            Some(key) => ResponseFuture::checking(config.clone(), key, inner, req),
-            None => ResponseFuture::no_key(),
+        match plan {
+            Plan::Pass => ResponseFuture::pass(self.inner.call(req)),
+            Plan::NoKey => ResponseFuture::no_key(grpc),
+            Plan::Check { targets, cost } => {
+                // The inner service was driven to readiness; keep that instance for this call
+                // and leave a fresh clone behind (the Tower-documented pattern).
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::check(self.config.clone(), targets, cost, grpc, inner, req)
+            }
         }
     }
 }

@@ -364,6 +364,74 @@ impl Limiter {
         self.apply(Op::Refund, key, cost).await
     }
 
+    /// Apply `op` to chosen rules, each with its own key (per account AND per IP, say), as one
+    /// atomic step: for a consume, a denial by one takes nothing from the others. Returns one
+    /// decision per target, in order. Unknown rule names are an error.
+    ///
+    /// ```
+    /// # use fleetlimit::{Key, Limiter, MemoryStore, Quota, Rule};
+    /// # use fleetlimit::store::Op;
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let limiter = Limiter::builder(MemoryStore::new())
+    ///     .rule(Rule::new("account", Quota::per_minute(100).build()?)?)
+    ///     .rule(Rule::new("ip", Quota::per_minute(10).build()?)?)
+    ///     .build()?;
+    /// let (account, ip) = (Key::new("acct-7"), Key::from(std::net::IpAddr::from([203, 0, 113, 9])));
+    /// let decisions = limiter.apply_to(Op::Consume, &[("account", &account), ("ip", &ip)], 1).await?;
+    /// assert!(decisions.iter().all(|d| d.allowed));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn apply_to(
+        &self,
+        op: Op,
+        targets: &[(&str, &Key)],
+        cost: u64,
+    ) -> Result<Vec<Decision>, Error> {
+        let rules = &self.inner.rules;
+        let checks = targets
+            .iter()
+            .map(|(name, key)| {
+                let rule = rules
+                    .iter()
+                    .find(|r| r.name() == *name)
+                    .ok_or_else(|| Error::UnknownRule((*name).to_owned()))?;
+                Ok(Check { rule, key, cost })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        self.decide_checks(op, &checks).await
+    }
+
+    /// Like [`apply_to`](Limiter::apply_to), with rules by their index in [`rules`](Limiter::rules).
+    pub(crate) async fn apply_indexed(
+        &self,
+        op: Op,
+        targets: &[(usize, Key)],
+        cost: u64,
+    ) -> Result<Vec<Decision>, Error> {
+        let rules = &self.inner.rules;
+        let checks = targets
+            .iter()
+            .map(|(i, key)| {
+                let rule = rules
+                    .get(*i)
+                    .ok_or_else(|| Error::UnknownRule(format!("#{i}")))?;
+                Ok(Check { rule, key, cost })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        self.decide_checks(op, &checks).await
+    }
+
+    async fn decide_checks(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, Error> {
+        if checks.iter().any(|c| c.cost == 0) {
+            return Err(Error::InvalidCost(0));
+        }
+        if checks.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.inner.decide(op, checks).await
+    }
+
     /// What the limiter has done so far: degraded decisions, store errors, breaker openings.
     pub fn stats(&self) -> LimiterStats {
         let i = &self.inner;

@@ -1,0 +1,156 @@
+//! Rate-limit header styles, all written from the decisions of one store call.
+
+use std::time::Duration;
+
+use http::header::{HeaderName, HeaderValue};
+use http::HeaderMap;
+
+use crate::{Decision, Rule, Source};
+
+/// Which rate-limit headers to put on every response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum HeaderStyle {
+    /// `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (delay in seconds): the
+    /// widely copied style of the IETF draft's sixth revision. With several rules, the most
+    /// restrictive decision's numbers.
+    #[default]
+    Draft6,
+    /// The IETF httpapi draft's current form (draft-ietf-httpapi-ratelimit-headers-11):
+    /// Structured Field lists with one item per rule that applied,
+    /// `RateLimit-Policy: "api";q=100;w=60` and `RateLimit: "api";r=42;t=17`. For a rule that
+    /// denied, `t` is the wait before a retry can succeed, so `Retry-After` is never earlier.
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (delay in seconds),
+    /// for clients written against the pre-standard headers.
+    Legacy,
+    /// No rate-limit headers (a denial still carries `Retry-After`).
+    None,
+}
+
+impl std::str::FromStr for HeaderStyle {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "draft6" => Ok(HeaderStyle::Draft6),
+            "ietf" => Ok(HeaderStyle::Ietf),
+            "legacy" => Ok(HeaderStyle::Legacy),
+            "none" => Ok(HeaderStyle::None),
+            other => Err(format!(
+                "unknown header style {other:?}; expected draft6, ietf, legacy or none"
+            )),
+        }
+    }
+}
+
+static DRAFT6: [HeaderName; 3] = [
+    HeaderName::from_static("ratelimit-limit"),
+    HeaderName::from_static("ratelimit-remaining"),
+    HeaderName::from_static("ratelimit-reset"),
+];
+static LEGACY: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit"),
+    HeaderName::from_static("x-ratelimit-remaining"),
+    HeaderName::from_static("x-ratelimit-reset"),
+];
+static POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Whole seconds, rounded up: a client that waits this long is never early.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// Whole milliseconds, rounded up.
+pub(crate) fn ceil_millis(d: Duration) -> u64 {
+    let ms = d.as_millis() + u128::from(d.as_nanos() % 1_000_000 != 0);
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+impl HeaderStyle {
+    /// Write the headers for a request's decisions (`rules[i]` decided `decisions[i]`);
+    /// `governing` is the most restrictive of them. Decisions the outage policy made without
+    /// counting get no headers: their numbers would describe nothing.
+    pub(crate) fn write(
+        self,
+        rules: &[&Rule],
+        decisions: &[Decision],
+        governing: &Decision,
+        headers: &mut HeaderMap,
+    ) {
+        if governing.source == Source::Policy {
+            return;
+        }
+        let names = match self {
+            HeaderStyle::Draft6 => &DRAFT6,
+            HeaderStyle::Legacy => &LEGACY,
+            HeaderStyle::Ietf => return write_ietf(rules, decisions, headers),
+            HeaderStyle::None => return,
+        };
+        headers.insert(names[0].clone(), HeaderValue::from(governing.limit));
+        headers.insert(names[1].clone(), HeaderValue::from(governing.remaining));
+        headers.insert(
+            names[2].clone(),
+            HeaderValue::from(ceil_secs(governing.reset_after)),
+        );
+    }
+}
+
+fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) {
+    let mut policy = String::new();
+    let mut state = String::new();
+    for (rule, d) in rules.iter().zip(decisions) {
+        if !policy.is_empty() {
+            policy.push_str(", ");
+            state.push_str(", ");
+        }
+        let window = ceil_secs(rule.quota().period()).max(1);
+        let t = match (d.allowed, d.retry_after) {
+            (false, Some(retry)) => ceil_secs(retry).max(1),
+            _ => ceil_secs(d.reset_after),
+        };
+        // Rule names are visible ASCII without quotes or backslashes (checked by `Rule::new`),
+        // so they are valid Structured Field strings as they are.
+        policy.push_str(&format!(
+            "\"{}\";q={};w={}",
+            rule.name(),
+            rule.quota().limit(),
+            window
+        ));
+        state.push_str(&format!("\"{}\";r={};t={}", rule.name(), d.remaining, t));
+    }
+    for (name, value) in [(&POLICY, policy), (&RATELIMIT, state)] {
+        if let Ok(v) = HeaderValue::try_from(value) {
+            headers.insert(name.clone(), v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_up() {
+        assert_eq!(ceil_secs(Duration::ZERO), 0);
+        assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(ceil_millis(Duration::from_micros(1)), 1);
+        assert_eq!(ceil_millis(Duration::from_micros(2000)), 2);
+    }
+
+    #[test]
+    fn styles_parse() {
+        for (s, style) in [
+            ("draft6", HeaderStyle::Draft6),
+            ("ietf", HeaderStyle::Ietf),
+            ("legacy", HeaderStyle::Legacy),
+            ("none", HeaderStyle::None),
+        ] {
+            assert_eq!(s.parse::<HeaderStyle>(), Ok(style));
+        }
+        assert!("x".parse::<HeaderStyle>().is_err());
+    }
+}
