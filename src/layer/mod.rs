@@ -17,7 +17,7 @@ pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{MissingKey, RateLimitLayer, RateLimitLayerBuilder};
-pub use response::Denial;
+pub use response::{Denial, DenialFn};
 pub use scope::Scope;
 pub use service::RateLimitService;
 

@@ -11,6 +11,9 @@ use http::{HeaderMap, Response, StatusCode};
 use super::headers::{ceil_millis, ceil_secs};
 use crate::{Decision, Source};
 
+/// Builds a custom denial response from the decision.
+pub type DenialFn = Arc<dyn Fn(&Decision) -> Response<Bytes> + Send + Sync>;
+
 /// How a denied request is answered (gRPC requests are always answered the gRPC way).
 #[derive(Clone, Default)]
 #[non_exhaustive]
@@ -22,7 +25,7 @@ pub enum Denial {
     Problem,
     /// Your own response, built from the decision. `Retry-After` and the rate-limit headers
     /// are added unless your response already has them.
-    Custom(Arc<dyn Fn(&Decision) -> Response<Bytes> + Send + Sync>),
+    Custom(DenialFn),
 }
 
 impl Denial {
