@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use http::request::Parts;
 
-use super::Key;
+use super::{client_ip, ForwardedHeader, Key, TrustedProxies};
 
 /// Chooses the key a request counts against.
 ///
@@ -111,20 +111,51 @@ impl KeyExtractor for Global {
     }
 }
 
-/// The peer's address, from axum's `ConnectInfo<SocketAddr>` (with the `axum` feature) or a
-/// plain `SocketAddr` request extension. IPv6 peers are grouped by a prefix (default /64).
-#[derive(Debug, Clone, Copy)]
+/// The client's address: the connection's peer address (axum's `ConnectInfo<SocketAddr>`,
+/// tonic's connect info, or a plain `SocketAddr` request extension), or, when that peer is a
+/// trusted proxy, the right-most untrusted address of its `Forwarded`/`X-Forwarded-For` chain.
+/// Forwarding headers from anyone else are ignored, so a client cannot spoof its way to a fresh
+/// bucket. IPv6 clients are grouped by a prefix (default /64).
+///
+/// ```
+/// use fleetlimit::key::{PeerIp, TrustedProxies};
+///
+/// // Behind a load balancer on the private network.
+/// let client = PeerIp::default().trust(TrustedProxies::new(["10.0.0.0/8"])?);
+/// # let _ = client;
+/// # Ok::<(), String>(())
+/// ```
+#[derive(Debug, Clone)]
 pub struct PeerIp {
     ipv6_prefix: u8,
+    trusted: TrustedProxies,
+    header: ForwardedHeader,
 }
 
 impl Default for PeerIp {
     fn default() -> Self {
-        PeerIp { ipv6_prefix: 64 }
+        PeerIp {
+            ipv6_prefix: 64,
+            trusted: TrustedProxies::none(),
+            header: ForwardedHeader::default(),
+        }
     }
 }
 
 impl PeerIp {
+    /// Believe forwarding headers from these proxies (default: none).
+    pub fn trust(mut self, proxies: TrustedProxies) -> Self {
+        self.trusted = proxies;
+        self
+    }
+
+    /// Which forwarding header trusted proxies set (default: `Forwarded`, else
+    /// `X-Forwarded-For`).
+    pub fn forwarded_header(mut self, header: ForwardedHeader) -> Self {
+        self.header = header;
+        self
+    }
+
     /// Group IPv6 peers by this prefix length (0–128; default 64). 128 counts every address
     /// on its own.
     pub fn ipv6_prefix(mut self, prefix: u8) -> Self {
@@ -133,7 +164,8 @@ impl PeerIp {
     }
 
     /// The peer address recorded in the request's extensions, if any: axum's `ConnectInfo`
-    /// (or its `MockConnectInfo`, so users' router tests work), else a `SocketAddr`.
+    /// (or its `MockConnectInfo`, so users' router tests work), tonic's `TcpConnectInfo` (with
+    /// the `tonic` feature), else a `SocketAddr`.
     pub fn peer_addr(parts: &Parts) -> Option<IpAddr> {
         #[cfg(feature = "axum")]
         {
@@ -145,12 +177,26 @@ impl PeerIp {
                 return Some(info.0.ip());
             }
         }
+        #[cfg(feature = "tonic")]
+        if let Some(addr) = parts
+            .extensions
+            .get::<tonic::transport::server::TcpConnectInfo>()
+            .and_then(|info| info.remote_addr())
+        {
+            return Some(addr.ip());
+        }
         parts.extensions.get::<SocketAddr>().map(|a| a.ip())
     }
 }
 
 impl KeyExtractor for PeerIp {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        PeerIp::peer_addr(parts).map(|ip| Key::from_ip(ip, self.ipv6_prefix))
+        let peer = PeerIp::peer_addr(parts)?;
+        let client = if self.trusted.is_empty() {
+            peer
+        } else {
+            client_ip(peer, &parts.headers, &self.trusted, self.header)
+        };
+        Some(Key::from_ip(client, self.ipv6_prefix))
     }
 }

@@ -246,7 +246,7 @@ fn parse_host_port(s: &str) -> Option<IpAddr> {
     v4.parse::<Ipv4Addr>().ok().map(IpAddr::V4)
 }
 
-/// A numeric port (0-65535) or an RFC 7239 obfuscated port (`_` then ALPHA / DIGIT / `.` / `_` / `-`).
+/// A numeric port (0-65535) or an RFC 7239 obfuscated port (`_` then ALPHA, DIGIT, `.`, `_`, `-`).
 fn is_port(p: &str) -> bool {
     if let Some(obf) = p.strip_prefix('_') {
         return !obf.is_empty()
@@ -439,7 +439,7 @@ mod tests {
 
     #[test]
     fn header_choice() {
-        use ForwardedHeader::*;
+        use super::ForwardedHeader::*;
         let fwd = ("forwarded", "for=192.0.2.60");
         let xff = ("x-forwarded-for", "198.51.100.7");
         for (lines, which, want) in [
@@ -452,7 +452,7 @@ mod tests {
         ] {
             let mut h = HeaderMap::new();
             for (name, value) in lines {
-                h.append(*name, HeaderValue::from_static(*value));
+                h.append(*name, HeaderValue::from_static(value));
             }
             assert_eq!(get(PEER, &h, which), ip(want), "{lines:?} {which:?}");
         }

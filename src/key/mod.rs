@@ -12,8 +12,10 @@ use bytes::{BufMut, Bytes, BytesMut};
 use sha2::{Digest, Sha256};
 
 mod extract;
+mod forwarded;
 
 pub use extract::{from_fn, global, header, FnExtractor, Global, HeaderKey, KeyExtractor, PeerIp};
+pub use forwarded::{client_ip, ForwardedHeader, TrustedProxies};
 
 /// User keys longer than this many bytes are stored as their SHA-256.
 pub const MAX_KEY_LEN: usize = 128;
