@@ -1,0 +1,669 @@
+//! The layer's features in real axum routers: header styles, scopes, several limits at once,
+//! refunds by outcome, shadow mode, spoofing, missing keys and hostile input.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderValue, Method, Request, StatusCode};
+use axum::response::Response;
+use axum::{routing::get, routing::post, Router};
+use fleetlimit::key::{self, PeerIp, TrustedProxies};
+use fleetlimit::store::RedisStore;
+use fleetlimit::{
+    Algorithm, Denial, HeaderStyle, Limiter, ManualClock, MemoryStore, MissingKey, OnStoreError,
+    Quota, RateLimitInfo, RateLimitLayer, Rule, Scope,
+};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+fn rule(name: &str, limit: u64) -> Rule {
+    Rule::new(
+        name,
+        Quota::per_minute(limit)
+            .algorithm(Algorithm::SlidingLog)
+            .build()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+fn memory_limiter(rules: Vec<Rule>) -> Limiter {
+    let store = MemoryStore::builder()
+        .clock(ManualClock::default())
+        .build()
+        .unwrap();
+    rules
+        .into_iter()
+        .fold(Limiter::builder(store), |b, r| b.rule(r))
+        .build()
+        .unwrap()
+}
+
+fn app(layer: RateLimitLayer) -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route(
+            "/fail",
+            get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "boom") }),
+        )
+        .route(
+            "/login",
+            post(|body: String| async move {
+                if body == "right" {
+                    (StatusCode::OK, "welcome")
+                } else {
+                    (StatusCode::UNAUTHORIZED, "no")
+                }
+            }),
+        )
+        .route("/import", post(|| async { "imported" }))
+        .layer(layer)
+}
+
+struct Req {
+    method: Method,
+    path: &'static str,
+    peer: [u8; 4],
+    headers: Vec<(&'static str, HeaderValue)>,
+    body: &'static str,
+}
+
+impl Req {
+    fn get(path: &'static str) -> Req {
+        Req {
+            method: Method::GET,
+            path,
+            peer: [198, 51, 100, 7],
+            headers: Vec::new(),
+            body: "",
+        }
+    }
+    fn post(path: &'static str, body: &'static str) -> Req {
+        Req {
+            method: Method::POST,
+            body,
+            ..Req::get(path)
+        }
+    }
+    fn peer(mut self, peer: [u8; 4]) -> Req {
+        self.peer = peer;
+        self
+    }
+    fn header(mut self, name: &'static str, value: &str) -> Req {
+        self.headers
+            .push((name, HeaderValue::from_str(value).unwrap()));
+        self
+    }
+    fn raw_header(mut self, name: &'static str, value: HeaderValue) -> Req {
+        self.headers.push((name, value));
+        self
+    }
+    async fn send(self, app: &Router) -> Response {
+        let mut b = Request::builder().method(self.method).uri(self.path);
+        for (n, v) in self.headers {
+            b = b.header(n, v);
+        }
+        let mut req = b.body(Body::from(self.body)).unwrap();
+        req.extensions_mut()
+            .insert(SocketAddr::from((self.peer, 5555)));
+        app.clone().oneshot(req).await.unwrap()
+    }
+}
+
+fn h(r: &Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+}
+
+/// Parse `RateLimit-Policy` / `RateLimit` with a real Structured Field parser: (name, params).
+fn sf_list(value: &str) -> Vec<(String, Vec<(String, i64)>)> {
+    let list: sfv::List = sfv::Parser::new(value)
+        .parse()
+        .expect("a valid Structured Field list");
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = item
+                    .bare_item
+                    .as_string()
+                    .expect("a String item")
+                    .as_str()
+                    .to_owned();
+                let params = item
+                    .params
+                    .iter()
+                    .map(|(k, v)| (k.as_str().to_owned(), v.as_integer().map_or(-1, i64::from)))
+                    .collect();
+                (name, params)
+            }
+            sfv::ListEntry::InnerList(_) => panic!("no inner lists"),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn every_header_style_on_allowed_denied_and_error_responses() {
+    for style in [
+        HeaderStyle::Draft6,
+        HeaderStyle::Ietf,
+        HeaderStyle::Legacy,
+        HeaderStyle::None,
+    ] {
+        let limiter = memory_limiter(vec![rule("api", 2)]);
+        let app = app(RateLimitLayer::builder(limiter)
+            .headers(style)
+            .build()
+            .unwrap());
+        let ok = Req::get("/").send(&app).await;
+        let err = Req::get("/fail").send(&app).await;
+        let denied = Req::get("/").send(&app).await;
+        assert_eq!(
+            (ok.status(), err.status(), denied.status()),
+            (
+                StatusCode::OK,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                StatusCode::TOO_MANY_REQUESTS
+            )
+        );
+        assert!(h(&denied, "retry-after").is_some(), "{style:?}");
+        let remaining = |r: &Response| match style {
+            HeaderStyle::Draft6 => h(r, "ratelimit-remaining"),
+            HeaderStyle::Legacy => h(r, "x-ratelimit-remaining"),
+            HeaderStyle::Ietf => {
+                let v = h(r, "ratelimit")?;
+                let list = sf_list(&v);
+                Some(list[0].1.iter().find(|(k, _)| k == "r")?.1.to_string())
+            }
+            _ => None,
+        };
+        match style {
+            HeaderStyle::None => {
+                for r in [&ok, &err, &denied] {
+                    assert!(r
+                        .headers()
+                        .keys()
+                        .all(|k| !k.as_str().contains("ratelimit")));
+                }
+            }
+            _ => {
+                assert_eq!(remaining(&ok).as_deref(), Some("1"), "{style:?}");
+                assert_eq!(remaining(&err).as_deref(), Some("0"), "{style:?}");
+                assert_eq!(remaining(&denied).as_deref(), Some("0"), "{style:?}");
+            }
+        }
+        if style == HeaderStyle::Ietf {
+            let policy = sf_list(&h(&ok, "ratelimit-policy").unwrap());
+            assert_eq!(
+                policy,
+                vec![(
+                    "api".to_owned(),
+                    vec![("q".to_owned(), 2), ("w".to_owned(), 60)]
+                )]
+            );
+            // Retry-After is never earlier than the denied policy's `t`.
+            let state = sf_list(&h(&denied, "ratelimit").unwrap());
+            let t = state[0].1.iter().find(|(k, _)| k == "t").unwrap().1;
+            let retry_after: i64 = h(&denied, "retry-after").unwrap().parse().unwrap();
+            assert!(
+                retry_after >= t && t > 0,
+                "Retry-After {retry_after}, t {t}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn ietf_lists_one_item_per_rule_and_the_strictest_governs_single_values() {
+    let limiter = memory_limiter(vec![rule("per-account", 100), rule("per-ip", 3)]);
+    let ietf = app(RateLimitLayer::builder(limiter.clone())
+        .key(key::header("x-account"))
+        .scope("per-ip", Scope::new().key(PeerIp::default()))
+        .headers(HeaderStyle::Ietf)
+        .build()
+        .unwrap());
+    let r = Req::get("/").header("x-account", "a1").send(&ietf).await;
+    let policy = sf_list(&h(&r, "ratelimit-policy").unwrap());
+    let names: Vec<&str> = policy.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["per-account", "per-ip"]);
+    let state = sf_list(&h(&r, "ratelimit").unwrap());
+    assert_eq!(state[0].1[0], ("r".to_owned(), 99));
+    assert_eq!(state[1].1[0], ("r".to_owned(), 2));
+
+    let draft6 = app(RateLimitLayer::builder(limiter)
+        .key(key::header("x-account"))
+        .scope("per-ip", Scope::new().key(PeerIp::default()))
+        .build()
+        .unwrap());
+    let r = Req::get("/").header("x-account", "a1").send(&draft6).await;
+    assert_eq!(
+        h(&r, "ratelimit-limit").as_deref(),
+        Some("3"),
+        "the per-IP rule is strictest"
+    );
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("1"));
+}
+
+/// Per account AND per IP (credential stuffing): a request denied by one rule consumes nothing
+/// from the other, in both directions.
+async fn all_or_nothing(limiter: Limiter) {
+    let app = app(RateLimitLayer::builder(limiter)
+        .key(key::header("x-account"))
+        .scope("per-ip", Scope::new().key(PeerIp::default()))
+        .build()
+        .unwrap());
+    // One IP tries many accounts: the per-IP rule (3) denies; no account loses a permit.
+    for i in 0..10 {
+        let account = format!("victim-{i}");
+        let r = Req::get("/")
+            .header("x-account", &account)
+            .peer([203, 0, 113, 1])
+            .send(&app)
+            .await;
+        assert_eq!(r.status() == StatusCode::OK, i < 3, "attempt {i}");
+    }
+    for i in 3..10 {
+        // Each victim still has its full per-account budget (5) from a clean IP.
+        let account = format!("victim-{i}");
+        for n in 0..5 {
+            let peer = [192, 0, 2, (i * 10 + n) as u8];
+            let r = Req::get("/")
+                .header("x-account", &account)
+                .peer(peer)
+                .send(&app)
+                .await;
+            assert_eq!(r.status(), StatusCode::OK, "{account} request {n}");
+        }
+    }
+    // The reverse: one account from many IPs: the account rule (5) denies; the IPs keep theirs.
+    for n in 0..8 {
+        let r = Req::get("/")
+            .header("x-account", "busy")
+            .peer([100, 64, 0, n])
+            .send(&app)
+            .await;
+        assert_eq!(r.status() == StatusCode::OK, n < 5, "attempt {n}");
+    }
+    for n in 5..8 {
+        for _ in 0..3 {
+            let r = Req::get("/")
+                .header("x-account", &format!("fresh-{n}"))
+                .peer([100, 64, 0, n])
+                .send(&app)
+                .await;
+            assert_eq!(
+                r.status(),
+                StatusCode::OK,
+                "IP 100.64.0.{n} kept its 3 permits"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn several_limits_are_all_or_nothing_on_memory() {
+    all_or_nothing(memory_limiter(vec![
+        rule("per-account", 5),
+        rule("per-ip", 3),
+    ]))
+    .await;
+}
+
+#[tokio::test]
+async fn several_limits_are_all_or_nothing_on_redis() {
+    let server = support::redis::RedisServer::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(2))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule("per-account", 5))
+        .rule(rule("per-ip", 3))
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    all_or_nothing(limiter).await;
+}
+
+#[tokio::test]
+async fn counting_only_failed_logins_never_locks_out_real_users() {
+    let limiter = memory_limiter(vec![rule("login", 5)]);
+    let app = app(RateLimitLayer::builder(limiter)
+        .scope(
+            "login",
+            Scope::new()
+                .route(Method::POST, "/login")
+                .refund_if(|status| status.is_success()),
+        )
+        .build()
+        .unwrap());
+    for i in 0..1_000 {
+        let r = Req::post("/login", "right").send(&app).await;
+        assert_eq!(r.status(), StatusCode::OK, "successful login {i}");
+    }
+    let mut denied = 0;
+    for _ in 0..20 {
+        if Req::post("/login", "wrong").send(&app).await.status() == StatusCode::TOO_MANY_REQUESTS {
+            denied += 1;
+        }
+    }
+    assert_eq!(denied, 15, "exactly 5 failed attempts pass");
+    // Other routes are not limited by the login rule at all.
+    let r = Req::get("/").send(&app).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(h(&r, "ratelimit-limit").is_none());
+}
+
+#[tokio::test]
+async fn server_errors_can_be_given_back() {
+    let limiter = memory_limiter(vec![rule("api", 2)]);
+    let app = app(RateLimitLayer::builder(limiter)
+        .scope("api", Scope::new().refund_if(|s| s.is_server_error()))
+        .build()
+        .unwrap());
+    for _ in 0..10 {
+        assert_eq!(
+            Req::get("/fail").send(&app).await.status(),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+    assert_eq!(Req::get("/").send(&app).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn shadow_mode_never_denies_but_says_what_it_would_do() {
+    let limiter = memory_limiter(vec![rule("new-limit", 2)]);
+    let app = app(RateLimitLayer::builder(limiter)
+        .shadow(true)
+        .build()
+        .unwrap());
+    for i in 0..10 {
+        let r = Req::get("/").send(&app).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let info = *r.extensions().get::<RateLimitInfo>().unwrap();
+        assert_eq!(info.would_deny, i >= 2, "request {i}");
+        assert_eq!(info.decision.allowed, i < 2);
+        assert_eq!(
+            h(&r, "ratelimit-remaining").as_deref(),
+            Some(if i == 0 { "1" } else { "0" })
+        );
+    }
+}
+
+#[tokio::test]
+async fn per_tenant_plans_and_weighted_cost() {
+    let limiter = memory_limiter(vec![rule("free", 10), rule("paid", 1_000)]);
+    let plan = |p: &'static str| {
+        move |parts: &http::request::Parts| parts.headers.get("x-plan").is_some_and(|v| v == p)
+    };
+    let app = app(RateLimitLayer::builder(limiter)
+        .key(key::header("x-tenant"))
+        .scope("free", Scope::new().when(plan("free")))
+        .scope("paid", Scope::new().when(plan("paid")))
+        .cost(|parts| if parts.uri.path() == "/import" { 10 } else { 1 })
+        .build()
+        .unwrap());
+    let send = |plan: &'static str, path: &'static str| {
+        let req = if path == "/import" {
+            Req::post(path, "")
+        } else {
+            Req::get(path)
+        };
+        req.header("x-plan", plan).header("x-tenant", plan)
+    };
+    assert_eq!(
+        send("free", "/import").send(&app).await.status(),
+        StatusCode::OK
+    );
+    let r = send("free", "/").send(&app).await;
+    assert_eq!(
+        r.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "an import took the free plan's 10"
+    );
+    for _ in 0..50 {
+        assert_eq!(
+            send("paid", "/import").send(&app).await.status(),
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        h(&send("paid", "/").send(&app).await, "ratelimit-remaining").as_deref(),
+        Some("499")
+    );
+    // No plan header: no rule applies, no headers, no limit.
+    let r = Req::get("/").header("x-tenant", "anon").send(&app).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(h(&r, "ratelimit-limit").is_none());
+}
+
+#[tokio::test]
+async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
+    let limiter = memory_limiter(vec![rule("ip", 1)]);
+    let trusted = PeerIp::default().trust(TrustedProxies::new(["10.0.0.0/8"]).unwrap());
+    let app = app(RateLimitLayer::builder(limiter)
+        .peer_ip(trusted)
+        .build()
+        .unwrap());
+    // A client spoofing X-Forwarded-For directly: ignored, its own address counts.
+    let spoof = |n: u8| {
+        Req::get("/")
+            .peer([203, 0, 113, 50])
+            .header("x-forwarded-for", &format!("1.1.1.{n}"))
+    };
+    assert_eq!(spoof(1).send(&app).await.status(), StatusCode::OK);
+    assert_eq!(
+        spoof(2).send(&app).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "a fresh XFF is no fresh bucket"
+    );
+    // Through the trusted proxy: the right-most untrusted hop, not the client's own left-most claim.
+    let via_proxy = |claimed: &str| {
+        Req::get("/").peer([10, 0, 0, 5]).header(
+            "x-forwarded-for",
+            &format!("{claimed}, 198.51.100.77, 10.0.0.9"),
+        )
+    };
+    assert_eq!(
+        via_proxy("6.6.6.1").send(&app).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        via_proxy("6.6.6.2").send(&app).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Forwarded (RFC 7239) too.
+    let fwd = Req::get("/").peer([10, 0, 0, 5]).header(
+        "forwarded",
+        "for=192.0.2.60;proto=https, for=\"[2001:db8:cafe::17]:4711\"",
+    );
+    assert_eq!(fwd.send(&app).await.status(), StatusCode::OK);
+    let same_64 = Req::get("/")
+        .peer([10, 0, 0, 5])
+        .header("forwarded", "for=\"[2001:db8:cafe::99]\"");
+    assert_eq!(
+        same_64.send(&app).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "one /64, one bucket"
+    );
+}
+
+#[tokio::test]
+async fn ipv6_peers_in_one_64_share_a_bucket() {
+    let limiter = memory_limiter(vec![rule("ip", 1)]);
+    let app = app(RateLimitLayer::new(limiter));
+    let send = |ip: &str| {
+        let mut req = Request::get("/").body(Body::empty()).unwrap();
+        req.extensions_mut()
+            .insert(SocketAddr::new(ip.parse().unwrap(), 1));
+        app.clone().oneshot(req)
+    };
+    assert_eq!(
+        send("2001:db8:1:2::1").await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send("2001:db8:1:2:ffff::9").await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send("2001:db8:1:3::1").await.unwrap().status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn missing_keys_follow_the_configured_outcome() {
+    let keyless = || {
+        let req = Request::get("/").body(Body::empty()).unwrap();
+        req
+    };
+    let reject = app(RateLimitLayer::new(memory_limiter(vec![rule("r", 1)])));
+    assert_eq!(
+        reject.oneshot(keyless()).await.unwrap().status(),
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    let skip = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .on_missing_key(MissingKey::Skip)
+        .build()
+        .unwrap());
+    for _ in 0..3 {
+        assert_eq!(
+            skip.clone().oneshot(keyless()).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    let shared = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .on_missing_key(MissingKey::Shared)
+        .build()
+        .unwrap());
+    assert_eq!(
+        shared.clone().oneshot(keyless()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        shared.oneshot(keyless()).await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn problem_details_and_custom_denials() {
+    let problem = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .denial(Denial::Problem)
+        .build()
+        .unwrap());
+    Req::get("/").send(&problem).await;
+    let r = Req::get("/").send(&problem).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        h(&r, "content-type").as_deref(),
+        Some("application/problem+json")
+    );
+    let body: serde_json::Value =
+        serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["title"], "Too Many Requests");
+
+    let custom = Denial::custom(|d| {
+        let mut r = http::Response::new(bytes::Bytes::from(format!(
+            "slow down, {} left",
+            d.remaining
+        )));
+        *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        r
+    });
+    let custom = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .denial(custom)
+        .build()
+        .unwrap());
+    Req::get("/").send(&custom).await;
+    let r = Req::get("/").send(&custom).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(h(&r, "retry-after").is_some() && h(&r, "ratelimit-limit").is_some());
+    assert_eq!(
+        r.into_body().collect().await.unwrap().to_bytes(),
+        "slow down, 0 left"
+    );
+}
+
+#[tokio::test]
+async fn hostile_input_never_panics_and_has_a_defined_outcome() {
+    let limiter = memory_limiter(vec![rule("r", 1_000)]);
+    let trusted = PeerIp::default().trust(TrustedProxies::private_networks());
+    let lenient = app(RateLimitLayer::builder(limiter)
+        .key(key::header("x-api-key"))
+        .peer_ip(trusted)
+        .build()
+        .unwrap());
+    let non_utf8 = HeaderValue::from_bytes(&[0xff, 0xfe, b'k', 0x80]).unwrap();
+    let huge = HeaderValue::from_str(&"k".repeat(100_000)).unwrap();
+    let chain = HeaderValue::from_str(&vec!["1.2.3.4"; 20_000].join(", ")).unwrap();
+    let garbage =
+        HeaderValue::from_str("for=\"[::1, ;;;\"\"\", _hidden, unknown, 999.1.1.1").unwrap();
+    let cases = [
+        Req::get("/").raw_header("x-api-key", non_utf8.clone()),
+        Req::get("/").raw_header("x-api-key", huge.clone()),
+        Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("x-forwarded-for", chain.clone()),
+        Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("forwarded", garbage.clone()),
+        Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("x-forwarded-for", non_utf8.clone()),
+        Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("forwarded", huge.clone()),
+    ];
+    for (i, req) in cases.into_iter().enumerate() {
+        let started = std::time::Instant::now();
+        let r = req.send(&lenient).await;
+        assert_eq!(r.status(), StatusCode::OK, "case {i}");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "case {i} took {:?}",
+            started.elapsed()
+        );
+    }
+    // Malformed forwarding from a trusted proxy falls back to the proxy's own address: one bucket
+    // for all of them, never one the client picked.
+    let limiter = memory_limiter(vec![rule("r", 1)]);
+    let strict = app(RateLimitLayer::builder(limiter)
+        .peer_ip(PeerIp::default().trust(TrustedProxies::private_networks()))
+        .build()
+        .unwrap());
+    assert_eq!(
+        Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("forwarded", garbage)
+            .send(&strict)
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("x-forwarded-for", chain)
+            .send(&strict)
+            .await
+            .status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn unknown_scope_rule_is_an_error_when_the_layer_is_built() {
+    let err = RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .scope("nope", Scope::new())
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("nope"));
+}
