@@ -519,10 +519,7 @@ async fn ipv6_peers_in_one_64_share_a_bucket() {
 
 #[tokio::test]
 async fn missing_keys_follow_the_configured_outcome() {
-    let keyless = || {
-        let req = Request::get("/").body(Body::empty()).unwrap();
-        req
-    };
+    let keyless = || Request::get("/").body(Body::empty()).unwrap();
     let reject = app(RateLimitLayer::new(memory_limiter(vec![rule("r", 1)])));
     assert_eq!(
         reject.oneshot(keyless()).await.unwrap().status(),
