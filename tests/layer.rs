@@ -206,46 +206,60 @@ async fn clones_of_the_service_share_one_limit() {
     assert_eq!(ok, 3, "{statuses:?}");
 }
 
-/// A real server on loopback, with axum's connect info: the peer-address fallback end to end.
+/// A real server on loopback, with axum's connect info: every header style on admitted, inner
+/// error and denied responses, end to end.
 #[tokio::test]
-async fn real_server_over_tcp() {
+async fn real_server_over_tcp_in_every_header_style() {
+    use fleetlimit::HeaderStyle;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    let quota = Quota::per_minute(2).build().unwrap();
-    let limiter = Limiter::builder(MemoryStore::new())
-        .rule(Rule::new("tcp", quota).unwrap())
-        .build()
-        .unwrap();
-    let app = app(RateLimitLayer::new(limiter));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
-    let mut statuses = Vec::new();
-    for _ in 0..3 {
+    async fn get(addr: SocketAddr, path: &str) -> String {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
         let mut response = String::new();
         tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut response))
             .await
             .unwrap()
             .unwrap();
-        let lower = response.to_ascii_lowercase();
-        assert!(lower.contains("ratelimit-remaining:"), "{response}");
-        statuses.push(response.lines().next().unwrap_or_default().to_owned());
+        response.to_ascii_lowercase()
     }
-    server.abort();
-    assert!(
-        statuses[0].contains("200") && statuses[1].contains("200"),
-        "{statuses:?}"
-    );
-    assert!(statuses[2].contains("429"), "{statuses:?}");
+
+    for (style, marker) in [
+        (HeaderStyle::Draft6, "ratelimit-remaining:"),
+        (HeaderStyle::Ietf, "ratelimit: \"tcp\";r="),
+        (HeaderStyle::Legacy, "x-ratelimit-remaining:"),
+    ] {
+        let quota = Quota::per_minute(2).build().unwrap();
+        let limiter = Limiter::builder(MemoryStore::new())
+            .rule(Rule::new("tcp", quota).unwrap())
+            .build()
+            .unwrap();
+        let layer = RateLimitLayer::builder(limiter)
+            .headers(style)
+            .build()
+            .unwrap();
+        let app = app(layer);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+            .unwrap();
+        });
+        let ok = get(addr, "/").await;
+        let failed = get(addr, "/fail").await;
+        let denied = get(addr, "/").await;
+        server.abort();
+        assert!(ok.starts_with("http/1.1 200"), "{ok}");
+        assert!(failed.starts_with("http/1.1 500"), "{failed}");
+        assert!(denied.starts_with("http/1.1 429"), "{denied}");
+        for r in [&ok, &failed, &denied] {
+            assert!(r.contains(marker), "{style:?}: {r}");
+        }
+        assert!(denied.contains("retry-after: "), "{denied}");
+    }
 }
