@@ -6,7 +6,7 @@
 //!     [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...]
 //!     [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra]
 //!     [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local]
-//!     [--headers draft6|ietf|legacy|none]
+//!     [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK]
 //! ```
 //!
 //! Durations are written `500ms`, `60s`, `1m`, `1h`. For `token-bucket` and `gcra`, `--limit`
@@ -20,14 +20,15 @@ use std::time::Duration;
 use axum::{routing::get, Router};
 use fleetlimit::store::RedisStore;
 use fleetlimit::{
-    key, Algorithm, HeaderStyle, Limiter, MemoryStore, OnStoreError, Quota, RateLimitLayer, Rule,
+    key, Algorithm, HeaderStyle, LeaseConfig, Limiter, MemoryStore, OnStoreError, Quota,
+    RateLimitLayer, Rule,
 };
 
 const USAGE: &str = "usage: server [--port 3000] \
 [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...] \
 [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra] \
 [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local] \
-[--headers draft6|ietf|legacy|none]";
+[--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK]";
 
 #[derive(Debug)]
 struct Options {
@@ -39,6 +40,7 @@ struct Options {
     burst: Option<u64>,
     on_store_error: Option<String>,
     headers: HeaderStyle,
+    lease: Option<LeaseConfig>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -75,6 +77,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
         burst: None,
         on_store_error: None,
         headers: HeaderStyle::Draft6,
+        lease: None,
     };
     let mut args = args.peekable();
     while let Some(arg) = args.next() {
@@ -111,6 +114,21 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Options, String> {
             }
             "--period" => {
                 o.period = parse_duration(&value()?).map_err(|e| format!("--period: {e}"))?
+            }
+            "--lease" => {
+                let v = value()?;
+                o.lease = match v.as_str() {
+                    "off" => None,
+                    "auto" => Some(LeaseConfig::auto()),
+                    n => match n.parse::<u64>() {
+                        Ok(block) if block > 0 => Some(LeaseConfig::fixed(block)),
+                        _ => {
+                            return Err(format!(
+                                "--lease {v:?}: expected auto, off or a block size"
+                            ))
+                        }
+                    },
+                };
             }
             "--headers" => {
                 let v = value()?;
@@ -186,6 +204,17 @@ fn build_rule(o: &Options) -> Result<Rule, String> {
     Rule::new("demo", quota).map_err(|e| e.to_string())
 }
 
+/// Lease the demo rule's hot keys when asked to.
+fn with_lease<S: fleetlimit::Store, P>(
+    builder: fleetlimit::LimiterBuilder<S, P>,
+    lease: Option<LeaseConfig>,
+) -> fleetlimit::LimiterBuilder<S, P> {
+    match lease {
+        Some(config) => builder.lease("demo", config),
+        None => builder,
+    }
+}
+
 async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
     let rule = build_rule(o)?;
     let policy = match o.on_store_error.as_deref() {
@@ -195,22 +224,30 @@ async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
         _ => OnStoreError::FailOpen,
     };
     let limiter = match StoreKind::parse(&o.store)? {
-        StoreKind::Memory => Limiter::builder(MemoryStore::new()).rule(rule).build(),
-        StoreKind::Redis(url) => Limiter::builder(
-            RedisStore::connect(&url)
-                .await
-                .map_err(|e| format!("cannot connect to {url}: {e}"))?,
+        StoreKind::Memory => {
+            with_lease(Limiter::builder(MemoryStore::new()).rule(rule), o.lease).build()
+        }
+        StoreKind::Redis(url) => with_lease(
+            Limiter::builder(
+                RedisStore::connect(&url)
+                    .await
+                    .map_err(|e| format!("cannot connect to {url}: {e}"))?,
+            )
+            .rule(rule)
+            .on_store_error(policy),
+            o.lease,
         )
-        .rule(rule)
-        .on_store_error(policy)
         .build(),
-        StoreKind::Cluster(urls) => Limiter::builder(
-            RedisStore::cluster(&urls)
-                .await
-                .map_err(|e| format!("cannot connect to the cluster {urls:?}: {e}"))?,
+        StoreKind::Cluster(urls) => with_lease(
+            Limiter::builder(
+                RedisStore::cluster(&urls)
+                    .await
+                    .map_err(|e| format!("cannot connect to the cluster {urls:?}: {e}"))?,
+            )
+            .rule(rule)
+            .on_store_error(policy),
+            o.lease,
         )
-        .rule(rule)
-        .on_store_error(policy)
         .build(),
     }
     .map_err(|e| e.to_string())?;
@@ -338,6 +375,11 @@ mod tests {
             HeaderStyle::Ietf
         );
         assert!(parse(&["--headers", "x"]).is_err());
+        assert!(parse(&["--lease", "auto"]).unwrap().lease.is_some());
+        assert!(parse(&["--lease", "off"]).unwrap().lease.is_none());
+        assert!(parse(&["--lease", "64"]).unwrap().lease.is_some());
+        assert!(parse(&["--lease", "0"]).is_err());
+        assert!(parse(&["--lease", "lots"]).is_err());
         assert_eq!(
             StoreKind::parse("redis-cluster://127.0.0.1:7000,127.0.0.1:7001"),
             Ok(StoreKind::Cluster(vec![

@@ -10,6 +10,9 @@ pub enum Source {
     Store,
     /// Permits leased from the store earlier were spent in process memory.
     Lease,
+    /// The store refused this key earlier until a time still ahead, and this process
+    /// remembered it.
+    Cache,
     /// The store was unavailable and the local fallback limiter decided.
     Fallback,
     /// The store was unavailable and the outage policy admitted or refused without counting

@@ -75,6 +75,7 @@ async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: u
     let keys: Vec<Key> = (0..4).map(|i| Key::new(format!("k{i}:{{x}}"))).collect();
     for algorithm in Algorithm::ALL {
         let rules = random_rules(&mut rng, algorithm);
+        let mut leases: Vec<(usize, Key, u64)> = Vec::new();
         for step in 0..steps {
             // Mostly small steps, sometimes across windows.
             let gap = match rng.below(10) {
@@ -83,9 +84,36 @@ async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: u
                 _ => rng.below(70_000_000),
             };
             clock.advance(Duration::from_micros(gap));
-            let op = match rng.below(10) {
+            let op = match rng.below(12) {
                 0 => Op::Peek,
                 1 => Op::Refund,
+                // Leases and releases of leases, for the algorithms that can be leased.
+                10 | 11 if algorithm != Algorithm::SlidingLog => {
+                    let rule = &rules[step % 2];
+                    let key = &keys[rng.below(keys.len() as u64) as usize];
+                    if rng.below(2) == 0 {
+                        let check = Check {
+                            rule,
+                            key,
+                            cost: 1 + rng.below(8),
+                        };
+                        let validity = Duration::from_micros(rng.below(20_000_000));
+                        let expected = memory.lease(check, validity).await.unwrap();
+                        let got = redis.lease(check, validity).await.unwrap();
+                        assert_eq!(got, expected, "{algorithm} step {step}: lease");
+                        leases.push((step % 2, key.clone(), expected.valid_until_us));
+                    } else if let Some((r, key, until)) = leases.pop() {
+                        let check = Check {
+                            rule: &rules[r],
+                            key: &key,
+                            cost: 1 + rng.below(4),
+                        };
+                        let expected = memory.release(check, until).await.unwrap();
+                        let got = redis.release(check, until).await.unwrap();
+                        assert_eq!(got, expected, "{algorithm} step {step}: release");
+                    }
+                    continue;
+                }
                 _ => Op::Consume,
             };
             let cost = match rng.below(10) {

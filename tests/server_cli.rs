@@ -107,6 +107,8 @@ fn invalid_flags_exit_non_zero_with_a_message() {
         &["--burst", "5"],
         &["--port", "70000"],
         &["--frobnicate"],
+        &["--lease", "0"],
+        &["--algorithm", "sliding-log", "--lease", "auto"],
     ] {
         let out = Command::new(server_binary()).args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} should fail");

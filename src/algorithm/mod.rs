@@ -21,6 +21,7 @@ use crate::{Algorithm, Decision, Quota};
 
 pub(crate) mod fixed_window;
 pub(crate) mod gcra;
+pub(crate) mod lease;
 pub(crate) mod sliding_log;
 pub(crate) mod sliding_window;
 pub(crate) mod token_bucket;

@@ -11,9 +11,11 @@ use crate::store::{Check, Op, Store};
 use crate::{Clock, Decision, Key, MemoryStore, Quota, Rule, Source, StoreError, SystemClock};
 
 mod breaker;
+mod lease;
 
 use breaker::{Admission, Breaker, Transition};
 pub use breaker::{BreakerConfig, BreakerState};
+pub use lease::LeaseConfig;
 
 /// The default deadline for a decision from a networked store.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
@@ -74,6 +76,10 @@ pub struct LimiterStats {
     pub breaker_opened: u64,
     /// Breakers open right now.
     pub open_breakers: u64,
+    /// Lease requests made to the store.
+    pub lease_calls: u64,
+    /// Keys in leased mode right now.
+    pub leased_keys: u64,
 }
 
 /// Decides requests against one or more [`Rule`]s through a [`Store`]. Cheap to clone: clones
@@ -120,6 +126,9 @@ pub struct Limiter {
 }
 
 struct Inner {
+    /// This limiter, for the task that gives back idle leases.
+    me: std::sync::Weak<Inner>,
+    leases: lease::Leases,
     store: Arc<dyn Store>,
     rules: Box<[Rule]>,
     policy: Option<Policy>,
@@ -159,6 +168,8 @@ impl std::fmt::Debug for Limiter {
 pub struct LimiterBuilder<S, P = PolicyUnset> {
     store: S,
     rules: Vec<Rule>,
+    leases: Vec<(String, LeaseConfig)>,
+    deny_cache: Option<usize>,
     policy: Option<OnStoreError>,
     deadline: Duration,
     breaker: BreakerConfig,
@@ -193,6 +204,25 @@ impl<S: Store, P> LimiterBuilder<S, P> {
     /// When the circuit breaker opens and how long before it probes.
     pub fn breaker(mut self, config: BreakerConfig) -> Self {
         self.breaker = config;
+        self
+    }
+
+    /// Lease the hot keys of rule `rule` (see [`LeaseConfig`]): blocks of permits taken from
+    /// the store at once and spent in process memory, so a key at tens of thousands of requests
+    /// per second costs a few store calls per second. The fleet still never exceeds the limit:
+    /// permits are deducted when leased. Not for the sliding log. Requests that several rules
+    /// apply to are decided by the store, one call each.
+    pub fn lease(mut self, rule: &str, config: LeaseConfig) -> Self {
+        self.leases.push((rule.to_owned(), config));
+        self
+    }
+
+    /// Remember up to this many store denials (default 10,000 for stores that can fail, none
+    /// for the memory store; 0 turns it off): a key the store refused until T is refused in
+    /// process until T, so a flood on an exhausted key costs one store call per retry period,
+    /// not one per request. Never longer than the store's own answer; single-rule requests only.
+    pub fn deny_cache(mut self, capacity: usize) -> Self {
+        self.deny_cache = Some(capacity);
         self
     }
 
@@ -252,9 +282,26 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 })?)
             }
         };
+        let mut lease_configs = vec![None; self.rules.len()];
+        for (name, config) in &self.leases {
+            let Some(i) = self.rules.iter().position(|r| r.name() == name) else {
+                return Err(ConfigError::Invalid {
+                    setting: "lease",
+                    reason: format!("the limiter has no rule named {name:?}"),
+                });
+            };
+            config.validate(&self.rules[i])?;
+            lease_configs[i] = Some(*config);
+        }
+        let deny_cache = self
+            .deny_cache
+            .unwrap_or(if policy.is_some() { 10_000 } else { 0 });
+        let leases = lease::Leases::new(lease_configs.into_boxed_slice(), deny_cache);
         let domains = self.store.failure_domains().max(1);
         Ok(Limiter {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
+                leases,
                 store: Arc::new(self.store),
                 rules: self.rules.into_boxed_slice(),
                 policy,
@@ -304,6 +351,8 @@ impl<S: Store> LimiterBuilder<S, PolicyUnset> {
         LimiterBuilder {
             store: self.store,
             rules: self.rules,
+            leases: self.leases,
+            deny_cache: self.deny_cache,
             policy: Some(policy),
             deadline: self.deadline,
             breaker: self.breaker,
@@ -333,6 +382,8 @@ impl Limiter {
         LimiterBuilder {
             store,
             rules: Vec::new(),
+            leases: Vec::new(),
+            deny_cache: None,
             policy: None,
             deadline: DEFAULT_DEADLINE,
             breaker: BreakerConfig::default(),
@@ -432,10 +483,19 @@ impl Limiter {
         self.inner.decide(op, checks).await
     }
 
-    /// What the limiter has done so far: degraded decisions, store errors, breaker openings.
+    /// Give back every unspent leased permit now and leave leased mode (for a shutdown; idle
+    /// keys give theirs back by themselves).
+    pub async fn release_leases(&self) {
+        self.inner.release_all().await;
+    }
+
+    /// What the limiter has done so far: degraded decisions, store errors, breaker openings,
+    /// lease requests.
     pub fn stats(&self) -> LimiterStats {
         let i = &self.inner;
         LimiterStats {
+            lease_calls: i.leases.lease_calls(),
+            leased_keys: i.leases.leased_keys() as u64,
             degraded_decisions: i.degraded.load(Ordering::Relaxed),
             store_errors: i.store_errors.load(Ordering::Relaxed),
             breaker_opened: i.opened.load(Ordering::Relaxed),
@@ -483,29 +543,63 @@ impl Drop for ProbeGuard<'_> {
 
 impl Inner {
     async fn decide(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, Error> {
+        // A single-rule consume may be decided in process (leased block, remembered denial).
+        let single = match (checks, op) {
+            ([check], Op::Consume) => self
+                .rules
+                .iter()
+                .position(|r| std::ptr::eq(r, check.rule))
+                .map(|i| (i, check)),
+            _ => None,
+        };
+        if let Some((index, check)) = single {
+            if let Some(decision) = self.decide_locally(index, check).await? {
+                return Ok(vec![decision]);
+            }
+        }
         let Some(policy) = &self.policy else {
             // An infallible store: no deadline, no breaker.
             return Ok(self.store.apply(op, checks).await?);
         };
-        let domain = self.store.failure_domain(checks) % self.breakers.len();
+        let domain = self.store.failure_domain(checks);
+        match self.call_store(domain, self.store.apply(op, checks)).await {
+            Some(decisions) => {
+                if let (Some((index, check)), [d]) = (single, decisions.as_slice()) {
+                    self.leases
+                        .remember_denial(index, check, d, self.clock.now_us());
+                }
+                Ok(decisions)
+            }
+            None => self.fallback(policy, op, checks).await,
+        }
+    }
+
+    /// Call the store through the failure domain's circuit breaker, within the deadline.
+    /// `None` means the store could not decide: the outage policy must.
+    async fn call_store<T>(
+        &self,
+        domain: usize,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Option<T> {
+        let domain = domain % self.breakers.len();
         let breaker = &self.breakers[domain];
         let admission = breaker.admit(self.clock.now_us());
         if admission == Admission::Skip {
-            return self.fallback(policy, op, checks).await;
+            return None;
         }
         let probe = admission == Admission::Probe;
         let mut guard = ProbeGuard(probe.then_some(breaker));
-        let result = match tokio::time::timeout(self.deadline, self.store.apply(op, checks)).await {
+        let result = match tokio::time::timeout(self.deadline, call).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(self.deadline)),
         };
         guard.0 = None;
         match result {
-            Ok(decisions) => {
+            Ok(value) => {
                 if breaker.success() == Transition::Closed {
                     tracing::info!(domain, "fleetlimit: store answers again; breaker closed");
                 }
-                Ok(decisions)
+                Some(value)
             }
             Err(error) => {
                 self.store_errors.fetch_add(1, Ordering::Relaxed);
@@ -522,7 +616,7 @@ impl Inner {
                 } else {
                     tracing::debug!(domain, %error, "fleetlimit: store call failed");
                 }
-                self.fallback(policy, op, checks).await
+                None
             }
         }
     }

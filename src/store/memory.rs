@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
-use super::{BoxFuture, Check, Op, Store};
+use std::time::Duration;
+
+use super::{BoxFuture, Check, Lease, Op, Store};
 use crate::algorithm::State;
 use crate::error::ConfigError;
 use crate::{Clock, Decision, Key, StoreError, SystemClock};
@@ -292,6 +294,44 @@ impl Shard {
         decision
     }
 
+    /// Run `f` on the check's state, creating the entry if needed, then store its new expiry
+    /// (dropping the entry if its state no longer matters).
+    fn with_entry<T>(
+        &mut self,
+        check: &Check<'_>,
+        hash: u64,
+        now: u64,
+        capacity: usize,
+        f: impl FnOnce(&mut State) -> T,
+    ) -> T {
+        let quota = check.rule.quota();
+        if self.find(check, hash).is_none() {
+            if self.table.len() >= self.next_sweep {
+                self.sweep(now, capacity);
+            }
+            self.table.insert_unique(
+                hash,
+                Entry {
+                    hash,
+                    rule: check.rule.shared_name().clone(),
+                    key: check.key.clone(),
+                    state: State::new(quota),
+                    expires_at: 0,
+                },
+                |e| e.hash,
+            );
+        }
+        let Some(entry) = self.find(check, hash) else {
+            unreachable!("the entry was just found or inserted")
+        };
+        if !entry.state.fits(quota) {
+            entry.state = State::new(quota);
+        }
+        let out = f(&mut entry.state);
+        entry.expires_at = entry.state.expires_at(quota);
+        out
+    }
+
     /// Take the permits of an admitted check, creating its entry if needed.
     fn commit(&mut self, check: &Check<'_>, hash: u64, now: u64, capacity: usize) {
         let quota = check.rule.quota();
@@ -344,7 +384,77 @@ impl Shard {
     }
 }
 
+impl MemoryStore {
+    /// [`Store::lease`], synchronously.
+    pub fn lease_now(&self, check: Check<'_>, max_validity: Duration) -> Result<Lease, StoreError> {
+        let inner = &self.inner;
+        let now = inner.clock.now_us();
+        let quota = check.rule.quota();
+        if !State::leasable(quota) {
+            return Err(StoreError::Script(format!(
+                "{} cannot be leased",
+                quota.algorithm()
+            )));
+        }
+        let hash = inner.hash(&check);
+        let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
+        let max_validity_us = max_validity.as_micros().min(u128::from(u64::MAX / 4)) as u64;
+        let (granted, decision) =
+            shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
+                let granted = state.lease(now, quota, check.cost, max_validity_us);
+                (granted, peek(state, now, quota))
+            });
+        let granted = granted.ok_or_else(|| StoreError::Script("cannot be leased".into()))?;
+        Ok(Lease::new(
+            granted.permits,
+            granted.valid_until,
+            Duration::from_micros(granted.valid_until.saturating_sub(now)),
+            decision,
+        ))
+    }
+
+    /// [`Store::release`], synchronously.
+    pub fn release_now(&self, check: Check<'_>, valid_until_us: u64) -> Decision {
+        let inner = &self.inner;
+        let now = inner.clock.now_us();
+        let quota = check.rule.quota();
+        let hash = inner.hash(&check);
+        let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
+        shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
+            state.release(now, quota, check.cost, valid_until_us);
+            peek(state, now, quota)
+        })
+    }
+}
+
+/// What a request of cost 1 would get now, without taking anything.
+fn peek(state: &mut State, now: u64, quota: &crate::Quota) -> Decision {
+    let mut d = state.decide(now, quota, 1);
+    if d.allowed {
+        d.remaining += 1;
+    }
+    d
+}
+
 impl Store for MemoryStore {
+    fn lease<'a>(
+        &'a self,
+        check: Check<'a>,
+        max_validity: Duration,
+    ) -> BoxFuture<'a, Result<Lease, StoreError>> {
+        Box::pin(std::future::ready(self.lease_now(check, max_validity)))
+    }
+
+    fn release<'a>(
+        &'a self,
+        check: Check<'a>,
+        valid_until_us: u64,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(std::future::ready(Ok(
+            self.release_now(check, valid_until_us)
+        )))
+    }
+
     fn apply<'a>(
         &'a self,
         op: Op,

@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
 use crate::{Decision, Key, Rule, StoreError};
 
@@ -43,6 +44,33 @@ pub enum Op {
     Refund,
 }
 
+/// A block of permits taken from the shared budget at once, to be spent in process memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Lease {
+    /// Permits granted (already deducted from the shared budget); 0 when none could be.
+    pub permits: u64,
+    /// Until when they may be spent, in µs on the store's clock (pass it back to
+    /// [`Store::release`]).
+    pub valid_until_us: u64,
+    /// How long they may be spent, from the moment the store granted them.
+    pub valid_for: Duration,
+    /// The shared state right after the grant (as a peek would see it).
+    pub state: Decision,
+}
+
+impl Lease {
+    /// A lease, as a custom store builds one.
+    pub fn new(permits: u64, valid_until_us: u64, valid_for: Duration, state: Decision) -> Lease {
+        Lease {
+            permits,
+            valid_until_us,
+            valid_for,
+            state,
+        }
+    }
+}
+
 /// Shared rate-limit state. Implementations must make each call atomic across its checks.
 pub trait Store: Send + Sync + 'static {
     /// Apply `op` to every check as one atomic step, returning one decision per check, in order.
@@ -55,6 +83,24 @@ pub trait Store: Send + Sync + 'static {
         op: Op,
         checks: &'a [Check<'a>],
     ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>>;
+
+    /// Take up to `check.cost` permits for `check.key` in one atomic step, valid for at most
+    /// `max_validity` (never past the end of the window that grants them; for the bucket
+    /// algorithms, the refill during that time is held back). Fails with
+    /// [`StoreError::Script`] for the sliding log, which cannot be leased.
+    fn lease<'a>(
+        &'a self,
+        check: Check<'a>,
+        max_validity: Duration,
+    ) -> BoxFuture<'a, Result<Lease, StoreError>>;
+
+    /// Give back `check.cost` unspent permits of a lease valid until `valid_until_us` (nothing
+    /// happens once it has expired). Returns the shared state afterwards.
+    fn release<'a>(
+        &'a self,
+        check: Check<'a>,
+        valid_until_us: u64,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>>;
 
     /// How many parts of the store can fail independently (a cluster's slots). The limiter keeps
     /// a circuit breaker for each, so one dead node does not take the others' keys down with it.

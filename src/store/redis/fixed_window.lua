@@ -40,3 +40,9 @@ function fixed_window.save(st, now, q)
   end
   expire_at(st.key, expires_at, now)
 end
+
+function fixed_window.lease(st, now, q, max, max_validity)
+  local permits = math.min(max, math.max(q.limit - st.count, 0))
+  st.count = st.count + permits
+  return permits, math.min(now + max_validity, st.start + q.period)
+end

@@ -34,3 +34,13 @@ function gcra.save(st, now, q)
     redis.call('DEL', st.key)
   end
 end
+
+function gcra.lease(st, now, q, max, max_validity)
+  local t = q.emission
+  local horizon = q.burst * t
+  local tat = math.max(st.tat, now)
+  local room = math.max(horizon - (max_validity + (tat - now)), 0)
+  local permits = math.min(max, math.floor(room / t))
+  st.tat = tat + permits * t
+  return permits, now + max_validity
+end

@@ -16,7 +16,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 
-use super::{BoxFuture, Check, Op, Store};
+use super::{BoxFuture, Check, Lease, Op, Store};
 use crate::algorithm::us;
 use crate::error::{ConfigError, Error};
 use crate::{Algorithm, Clock, Decision, StoreError};
@@ -293,11 +293,22 @@ fn store_error(e: RedisError) -> StoreError {
 impl Inner {
     /// One script call for `checks`, within the deadline.
     async fn invoke(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
+        let values = self.call(op_name(op), checks, None).await?;
+        parse_decisions(&values, checks.len())
+    }
+
+    /// Run the script: `op` on `checks`, with `extra` as the last argument (lease and release).
+    async fn call(
+        &self,
+        op: &str,
+        checks: &[Check<'_>],
+        extra: Option<u64>,
+    ) -> Result<Vec<i64>, StoreError> {
         let mut invocation = self.script.prepare_invoke();
         for c in checks {
             invocation.key(redis_key(&self.prefix, c.rule, c.key));
         }
-        invocation.arg(op_name(op));
+        invocation.arg(op);
         match &self.clock {
             Some(clock) => invocation.arg(clock.now_us()),
             None => invocation.arg(""),
@@ -313,6 +324,9 @@ impl Inner {
                 .arg(q.token_units())
                 .arg(q.refill_units())
                 .arg(c.cost);
+        }
+        if let Some(extra) = extra {
+            invocation.arg(extra);
         }
         let call = async {
             match &self.conn {
@@ -350,14 +364,13 @@ impl Inner {
                 }
             }
         };
-        let values = tokio::time::timeout(self.timeout, call)
+        tokio::time::timeout(self.timeout, call)
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))?
             .map_err(|e| match store_error(e) {
                 StoreError::Timeout(_) => StoreError::Timeout(self.timeout),
                 other => other,
-            })?;
-        parse_decisions(&values, checks.len())
+            })
     }
 }
 
@@ -460,6 +473,55 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
+    fn lease<'a>(
+        &'a self,
+        check: Check<'a>,
+        max_validity: Duration,
+    ) -> BoxFuture<'a, Result<Lease, StoreError>> {
+        Box::pin(async move {
+            let max_validity_us = max_validity.as_micros().min(u128::from(u64::MAX / 4)) as u64;
+            let values = self
+                .inner
+                .call("lease", &[check], Some(max_validity_us))
+                .await?;
+            let (decision, rest) = match values.len() {
+                8 => (parse_decisions(&values[..5], 1)?, &values[5..]),
+                n => {
+                    return Err(StoreError::Protocol(format!(
+                        "a lease answers 8 numbers, got {n}"
+                    )))
+                }
+            };
+            let permits = u64::try_from(rest[0]).unwrap_or(0);
+            let valid_until_us = u64::try_from(rest[1]).unwrap_or(0);
+            // Redis keeps the time; the caller measures `valid_for` from before it asked, so its
+            // own deadline is never later than Redis's.
+            let valid_for = Duration::from_micros(u64::try_from(rest[2]).unwrap_or(0));
+            let state = decision
+                .into_iter()
+                .next()
+                .ok_or_else(|| StoreError::Protocol("no decision".into()))?;
+            Ok(Lease::new(permits, valid_until_us, valid_for, state))
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        check: Check<'a>,
+        valid_until_us: u64,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async move {
+            let values = self
+                .inner
+                .call("release", &[check], Some(valid_until_us))
+                .await?;
+            parse_decisions(values.get(..5).unwrap_or(&[]), 1)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| StoreError::Protocol("no decision".into()))
+        })
+    }
+
     fn failure_domains(&self) -> usize {
         if self.is_cluster() {
             16_384

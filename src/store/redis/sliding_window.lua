@@ -77,3 +77,13 @@ function sliding_window.save(st, now, q)
   end
   expire_at(st.key, expires_at, now)
 end
+
+function sliding_window.lease(st, now, q, max, max_validity)
+  local p_ms = q.period / 1000
+  local elapsed_ms = math.min(math.floor(math.max(now - st.start, 0) / 1000), p_ms)
+  local weighted = st.previous * (p_ms - elapsed_ms) + st.current * p_ms
+  local room = math.floor(math.max(q.limit * p_ms - weighted, 0) / p_ms)
+  local permits = math.min(max, room)
+  st.current = st.current + permits
+  return permits, math.min(now + max_validity, st.start + q.period)
+end

@@ -1,0 +1,223 @@
+//! Leasing: taking a block of permits at once, to spend them in process memory, and giving back
+//! what was not spent.
+//!
+//! A lease deducts its permits from the shared state when it is granted, so the fleet can never
+//! spend more than the state allowed. It is valid until `valid_until`:
+//! - window algorithms (fixed window, sliding window counter): at most the end of the window
+//!   that granted the permits, so they are spent inside that window;
+//! - bucket algorithms (token bucket, GCRA): `max_validity` after the grant, and the grant holds
+//!   back what the bucket refills during that time (`rate × max_validity`), so permits spent
+//!   late can never push the fleet past `burst + rate × t` in any interval.
+//!
+//! The sliding window log cannot be leased: its promise rests on each permit's own timestamp.
+
+use super::{div_ceil, State};
+use crate::Quota;
+
+/// What a lease granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Granted {
+    pub(crate) permits: u64,
+    /// Until when they may be spent (µs, the store's clock).
+    pub(crate) valid_until: u64,
+}
+
+impl State {
+    /// Whether this algorithm can be leased.
+    pub(crate) fn leasable(quota: &Quota) -> bool {
+        !matches!(quota.algorithm(), crate::Algorithm::SlidingLog)
+    }
+
+    /// Take up to `max` permits for at most `max_validity` µs. `None` for the sliding log.
+    pub(crate) fn lease(
+        &mut self,
+        now: u64,
+        quota: &Quota,
+        max: u64,
+        max_validity: u64,
+    ) -> Option<Granted> {
+        // Bring the state up to `now` first (a decision changes nothing else).
+        self.decide(now, quota, 1);
+        let until = now + max_validity;
+        let granted = match self {
+            State::FixedWindow(s) => {
+                let permits = max.min(quota.limit().saturating_sub(s.count));
+                s.count += permits;
+                Granted {
+                    permits,
+                    valid_until: until.min(s.start + quota.period_us()),
+                }
+            }
+            State::SlidingWindow(s) => {
+                let p_ms = quota.period_us() / 1000;
+                let elapsed_ms = (now.saturating_sub(s.start) / 1000).min(p_ms);
+                let weighted = s.previous * (p_ms - elapsed_ms) + s.current * p_ms;
+                let room = (quota.limit() * p_ms).saturating_sub(weighted) / p_ms;
+                let permits = max.min(room);
+                s.current += permits;
+                Granted {
+                    permits,
+                    valid_until: until.min(s.start + quota.period_us()),
+                }
+            }
+            State::TokenBucket(s) => {
+                let (scale, rate) = (quota.token_units(), quota.refill_units());
+                let full = quota.burst() * scale;
+                let held_back = if max_validity >= div_ceil(full, rate) {
+                    full
+                } else {
+                    max_validity * rate
+                };
+                let permits = max.min(s.units.saturating_sub(held_back) / scale);
+                s.units -= permits * scale;
+                Granted {
+                    permits,
+                    valid_until: until,
+                }
+            }
+            State::Gcra(s) => {
+                let t = quota.emission_us();
+                let horizon = quota.burst() * t;
+                let tat = s.tat.max(now);
+                let room = horizon.saturating_sub(max_validity + (tat - now));
+                let permits = max.min(room / t);
+                s.tat = tat + permits * t;
+                Granted {
+                    permits,
+                    valid_until: until,
+                }
+            }
+            State::SlidingLog(_) => return None,
+        };
+        Some(granted)
+    }
+
+    /// Give back `unspent` permits of a lease valid until `valid_until`; nothing once it has
+    /// expired (its window is over, or the bucket has refilled them anyway).
+    pub(crate) fn release(&mut self, now: u64, quota: &Quota, unspent: u64, valid_until: u64) {
+        self.decide(now, quota, 1);
+        if now < valid_until {
+            self.refund(now, quota, unspent);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use crate::Algorithm;
+
+    #[test]
+    fn window_leases_end_with_the_window() {
+        let q = quota_of(Algorithm::FixedWindow, 10, 1000, None);
+        let mut s = Sim::new(&q, T0 + 900_000);
+        let g = s.state.lease(s.now, &q, 4, 5_000_000).unwrap();
+        assert_eq!((g.permits, g.valid_until), (4, T0 + 1_000_000));
+        let g = s.state.lease(s.now, &q, 100, 50_000).unwrap();
+        assert_eq!(
+            (g.permits, g.valid_until),
+            (6, T0 + 950_000),
+            "what is left, for max_validity"
+        );
+        assert!(
+            !s.consume(1).allowed,
+            "leased permits are taken from the shared budget"
+        );
+        s.state.release(s.now, &q, 3, g.valid_until);
+        assert_eq!(s.peek().remaining, 3, "unspent permits come back");
+        s.state.release(T0 + 960_000, &q, 3, g.valid_until);
+        s.now = T0 + 960_000;
+        assert_eq!(s.peek().remaining, 3, "an expired lease gives nothing back");
+    }
+
+    #[test]
+    fn bucket_leases_hold_back_what_refills_while_they_are_valid() {
+        // 10 per second, burst 10: 100 ms of validity holds back one token.
+        let q = quota_of(Algorithm::TokenBucket, 10, 1000, Some(10));
+        let mut s = Sim::new(&q, T0);
+        let g = s.state.lease(s.now, &q, 100, 100_000).unwrap();
+        assert_eq!((g.permits, g.valid_until), (9, T0 + 100_000));
+        assert_eq!(s.peek().remaining, 1);
+        let q = quota_of(Algorithm::Gcra, 10, 1000, Some(10));
+        let mut s = Sim::new(&q, T0);
+        let g = s.state.lease(s.now, &q, 100, 100_000).unwrap();
+        assert_eq!(g.permits, 9);
+        assert_eq!(s.peek().remaining, 1);
+        s.state.release(s.now, &q, 9, g.valid_until);
+        assert_eq!(s.peek().remaining, 10);
+    }
+
+    #[test]
+    fn the_log_cannot_be_leased() {
+        let q = quota_of(Algorithm::SlidingLog, 10, 1000, None);
+        let mut s = Sim::new(&q, T0);
+        assert_eq!(s.state.lease(s.now, &q, 5, 1000), None);
+    }
+
+    use proptest::prelude::*;
+
+    /// A fleet of 3 processes leasing from one state, spending their blocks at random times,
+    /// beside direct consumes and early releases: returns every real admission (time, 1).
+    fn fleet_admissions(q: &crate::Quota, events: &[(u64, u8, u64)]) -> Vec<(u64, u64)> {
+        let mut s = Sim::new(q, T0 + 7_777);
+        let mut blocks: [(u64, u64); 3] = [(0, 0); 3]; // (permits, valid_until)
+        let mut admitted = Vec::new();
+        for &(gap, action, arg) in events {
+            s.advance_us(gap);
+            let p = (arg % 3) as usize;
+            match action % 4 {
+                0 => {
+                    if let Some(g) =
+                        s.state
+                            .lease(s.now, q, 1 + arg % 7, 1 + arg.wrapping_mul(7_919) % 400_000)
+                    {
+                        blocks[p] = (g.permits, g.valid_until);
+                    }
+                }
+                1 => {
+                    let (permits, until) = blocks[p];
+                    if permits > 0 && s.now < until {
+                        blocks[p].0 -= 1;
+                        admitted.push((s.now, 1));
+                    }
+                }
+                2 => {
+                    if s.consume(1).allowed {
+                        admitted.push((s.now, 1));
+                    }
+                }
+                _ => {
+                    let (permits, until) = blocks[p];
+                    s.state.release(s.now, q, permits, until);
+                    blocks[p] = (0, 0);
+                }
+            }
+        }
+        admitted
+    }
+
+    fn events() -> impl Strategy<Value = Vec<(u64, u8, u64)>> {
+        prop::collection::vec((0u64..60_000, any::<u8>(), any::<u64>()), 1..300)
+    }
+
+    proptest! {
+        #[test]
+        fn leased_fixed_windows_never_exceed_the_limit(limit in 1u64..20, period_ms in 5u64..200, ev in events()) {
+            let q = quota_of(Algorithm::FixedWindow, limit, period_ms, None);
+            let admitted = fleet_admissions(&q, &ev);
+            let mut per_window = std::collections::HashMap::new();
+            for (t, c) in admitted {
+                *per_window.entry(t / q.period_us()).or_insert(0u64) += c;
+            }
+            prop_assert!(per_window.values().all(|&n| n <= limit));
+        }
+
+        #[test]
+        fn leased_buckets_keep_the_envelope(limit in 1u64..20, period_ms in 5u64..200, burst in 1u64..20, gcra in any::<bool>(), ev in events()) {
+            let algorithm = if gcra { Algorithm::Gcra } else { Algorithm::TokenBucket };
+            let q = quota_of(algorithm, limit, period_ms, Some(burst));
+            let admitted = fleet_admissions(&q, &ev);
+            check_envelope(&admitted, limit, q.period_us(), burst)?;
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! Hot keys leased from a real Redis: the fleet never exceeds the limit, denials are remembered,
+//! unspent permits come back, one lease request per key in flight.
+
+mod support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleetlimit::store::RedisStore;
+use fleetlimit::{
+    Algorithm, Key, LeaseConfig, Limiter, ManualClock, OnStoreError, Quota, Rule, Source,
+};
+use support::redis::RedisServer;
+
+const T0: u64 = 1_900_000_000_000_000; // aligned to whole seconds
+
+fn rule(limit: u64, period: Duration, algorithm: Algorithm) -> Rule {
+    Rule::new(
+        "hot",
+        Quota::new(limit, period)
+            .algorithm(algorithm)
+            .build()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+async fn limiter(
+    server: &RedisServer,
+    clock: &ManualClock,
+    rule: Rule,
+    lease: Option<LeaseConfig>,
+) -> Limiter {
+    let store = RedisStore::builder()
+        .clock(clock.clone())
+        .timeout(Duration::from_secs(2))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let mut b = Limiter::builder(store)
+        .rule(rule)
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .clock(clock.clone());
+    if let Some(config) = lease {
+        b = b.lease("hot", config);
+    }
+    b.build().unwrap()
+}
+
+/// Script calls Redis has run (EVALSHA, and EVAL after a reload).
+fn script_calls(server: &RedisServer) -> u64 {
+    let info = server.info("commandstats").unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leasing_fleet_never_exceeds_the_limit_and_uses_it() {
+    const LIMIT: u64 = 1_000;
+    const WINDOWS: u64 = 12;
+    const STEPS: u64 = 10;
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(LIMIT, Duration::from_secs(1), Algorithm::FixedWindow);
+    let mut fleet = Vec::new();
+    for _ in 0..8 {
+        fleet.push(
+            limiter(
+                &server,
+                &clock,
+                hot.clone(),
+                Some(LeaseConfig::auto().promote_at(50.0)),
+            )
+            .await,
+        );
+    }
+    let calls_before = script_calls(&server);
+    let key = Key::new("the-hot-key");
+    let mut per_instance = vec![0u64; fleet.len()];
+    let mut decisions = 0u64;
+    for window in 0..WINDOWS {
+        let admitted = Arc::new(AtomicU64::new(0));
+        for step in 0..STEPS {
+            clock.set(T0 + window * 1_000_000 + step * 100_000);
+            // Every instance fires 60 concurrent requests per step: 4,800 per window, far above
+            // the limit.
+            let mut tasks = Vec::new();
+            for (i, l) in fleet.iter().enumerate() {
+                for _ in 0..60 {
+                    let (l, key, admitted) = (l.clone(), key.clone(), admitted.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let d = l.consume(&key, 1).await.unwrap();
+                        if d.allowed {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                        (i, d.allowed)
+                    }));
+                }
+            }
+            for t in tasks {
+                let (i, allowed) = t.await.unwrap();
+                per_instance[i] += u64::from(allowed);
+                decisions += 1;
+            }
+        }
+        let n = admitted.load(Ordering::Relaxed);
+        assert!(n <= LIMIT, "window {window}: {n} admitted, limit {LIMIT}");
+        assert!(
+            n * 100 >= LIMIT * 95,
+            "window {window}: only {n} of {LIMIT} used"
+        );
+    }
+    let calls = script_calls(&server) - calls_before;
+    let (min, max) = (
+        per_instance.iter().min().unwrap(),
+        per_instance.iter().max().unwrap(),
+    );
+    eprintln!(
+        "leasing fleet: {decisions} decisions, {calls} Redis calls ({:.4} per decision); admitted per instance {min}..{max} over {WINDOWS} windows",
+        calls as f64 / decisions as f64
+    );
+    assert!(
+        calls * 5 < decisions,
+        "{calls} Redis calls for {decisions} decisions"
+    );
+    assert!(fleet.iter().any(|l| l.stats().lease_calls > 0));
+}
+
+#[tokio::test]
+async fn a_flood_on_an_exhausted_key_reaches_redis_a_handful_of_times() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let l = limiter(
+        &server,
+        &clock,
+        rule(5, Duration::from_secs(60), Algorithm::SlidingWindow),
+        None,
+    )
+    .await;
+    let key = Key::new("stuffed");
+    for _ in 0..5 {
+        assert!(l.consume(&key, 1).await.unwrap().allowed);
+    }
+    let before = script_calls(&server);
+    let mut retry = Duration::ZERO;
+    for i in 0..10_000 {
+        let d = l.consume(&key, 1).await.unwrap();
+        assert!(!d.allowed);
+        if i > 0 {
+            assert_eq!(d.source, Source::Cache);
+        }
+        retry = d.retry_after.unwrap();
+    }
+    let calls = script_calls(&server) - before;
+    assert!(calls <= 3, "{calls} Redis calls for 10,000 denials");
+    // Once the retry time has come, Redis decides again.
+    clock.advance(retry);
+    let d = l.consume(&key, 1).await.unwrap();
+    assert_eq!(d.source, Source::Store);
+    assert!(script_calls(&server) > before + calls);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_instance_gives_its_permits_back() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(100, Duration::from_secs(60), Algorithm::FixedWindow);
+    let config = LeaseConfig::fixed(100)
+        .max_share(1.0)
+        .max_validity(Duration::from_secs(30))
+        .idle(Duration::from_millis(100));
+    let a = limiter(&server, &clock, hot.clone(), Some(config)).await;
+    let b = limiter(&server, &clock, hot, None).await;
+    let key = Key::new("k");
+    assert!(a.consume(&key, 1).await.unwrap().allowed);
+    assert_eq!(a.stats().lease_calls, 1);
+    assert_eq!(
+        b.peek(&key).await.unwrap().remaining,
+        0,
+        "A holds the other 99"
+    );
+    // A goes quiet: its sweeper gives the 99 back.
+    clock.advance(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    while a.stats().leased_keys > 0 {
+        assert!(started.elapsed() < Duration::from_secs(5), "never released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for i in 0..99 {
+        assert!(b.consume(&key, 1).await.unwrap().allowed, "B's request {i}");
+    }
+    assert!(!b.consume(&key, 1).await.unwrap().allowed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lease_request_per_key_in_flight() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(1_000_000, Duration::from_secs(60), Algorithm::Gcra);
+    let config = LeaseConfig::fixed(1_000)
+        .max_share(1.0)
+        .max_validity(Duration::from_secs(10));
+    let l = limiter(&server, &clock, hot, Some(config)).await;
+    let key = Key::new("k");
+    for _ in 0..1_000 {
+        assert!(l.consume(&key, 1).await.unwrap().allowed);
+    }
+    assert_eq!(
+        l.stats().lease_calls,
+        1,
+        "one block of 1,000 served 1,000 requests"
+    );
+    let before = script_calls(&server);
+    // The block is spent: 1,000 requests arrive at once.
+    let tasks: Vec<_> = (0..1_000)
+        .map(|_| {
+            let (l, key) = (l.clone(), key.clone());
+            tokio::spawn(async move { l.consume(&key, 1).await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        let d = t.await.unwrap();
+        assert!(d.allowed && d.source == Source::Lease);
+    }
+    assert_eq!(
+        script_calls(&server) - before,
+        1,
+        "exactly one lease call reached Redis"
+    );
+    assert_eq!(l.stats().lease_calls, 2);
+}
+
+#[tokio::test]
+async fn redis_calls_per_decision_are_at_most_one_per_block() {
+    const BLOCK: u64 = 100;
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(10_000_000, Duration::from_secs(60), Algorithm::TokenBucket);
+    let config = LeaseConfig::fixed(BLOCK).max_validity(Duration::from_secs(10));
+    let l = limiter(&server, &clock, hot, Some(config)).await;
+    let key = Key::new("k");
+    // Load the script first (a fresh server answers the first EVALSHA with NOSCRIPT).
+    l.peek(&Key::new("warm-up")).await.unwrap();
+    let before = script_calls(&server);
+    let decisions = 20_000u64;
+    for _ in 0..decisions {
+        let d = l.consume(&key, 1).await.unwrap();
+        assert!(d.allowed);
+    }
+    let calls = script_calls(&server) - before;
+    assert!(
+        calls <= decisions / BLOCK,
+        "{calls} calls for {decisions} decisions"
+    );
+    // Headers stay honest: remaining never grows between store calls.
+    let a = l.consume(&key, 1).await.unwrap().remaining;
+    let b = l.consume(&key, 1).await.unwrap().remaining;
+    assert!(b < a);
+}
+
+#[tokio::test]
+async fn the_sliding_log_cannot_be_leased() {
+    let store = fleetlimit::MemoryStore::new();
+    let err = Limiter::builder(store)
+        .rule(rule(10, Duration::from_secs(1), Algorithm::SlidingLog))
+        .lease("hot", LeaseConfig::auto())
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("sliding log"), "{err}");
+}
