@@ -36,7 +36,8 @@ pub(crate) use token_bucket::TokenBucket;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum State {
     FixedWindow(FixedWindow),
-    SlidingLog(SlidingLog),
+    /// Boxed: the log is large, and the other states are kept small.
+    SlidingLog(Box<SlidingLog>),
     SlidingWindow(SlidingWindow),
     TokenBucket(TokenBucket),
     Gcra(Gcra),
@@ -47,7 +48,7 @@ impl State {
     pub(crate) fn new(quota: &Quota) -> State {
         match quota.algorithm() {
             Algorithm::FixedWindow => State::FixedWindow(FixedWindow::default()),
-            Algorithm::SlidingLog => State::SlidingLog(SlidingLog::default()),
+            Algorithm::SlidingLog => State::SlidingLog(Box::default()),
             Algorithm::SlidingWindow => State::SlidingWindow(SlidingWindow::default()),
             Algorithm::TokenBucket => State::TokenBucket(TokenBucket::full(quota)),
             Algorithm::Gcra => State::Gcra(Gcra::default()),

@@ -166,11 +166,22 @@ pub(crate) fn check_envelope(
     period: u64,
     burst: u64,
 ) -> Result<(), TestCaseError> {
+    check_envelope_with_slack(admitted, limit, period, burst, 0)
+}
+
+/// In every interval `[a, b]`, admitted ≤ burst + limit × (b − a + slack) / period.
+pub(crate) fn check_envelope_with_slack(
+    admitted: &[(u64, u64)],
+    limit: u64,
+    period: u64,
+    burst: u64,
+    slack: u64,
+) -> Result<(), TestCaseError> {
     for i in 0..admitted.len() {
         let mut sum = 0u128;
         for j in i..admitted.len() {
             sum += u128::from(admitted[j].1);
-            let span = u128::from(admitted[j].0 - admitted[i].0);
+            let span = u128::from(admitted[j].0 - admitted[i].0 + slack);
             let bound = u128::from(burst) * u128::from(period) + u128::from(limit) * span;
             prop_assert!(
                 sum * u128::from(period) <= bound,

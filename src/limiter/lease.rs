@@ -75,7 +75,8 @@ impl LeaseConfig {
     }
 
     /// How long a block may be spent (default 250 ms; never past the end of the window that
-    /// granted it). For the token bucket and GCRA, the refill during that time is held back.
+    /// granted it). For the token bucket and GCRA this widens the envelope: the fleet admits at
+    /// most `burst + rate × (t + max_validity)` in any interval `t`.
     pub fn max_validity(mut self, validity: Duration) -> LeaseConfig {
         self.max_validity = validity;
         self

@@ -6,7 +6,9 @@
 //! client spraying random keys cannot grow memory without bound.
 
 use std::hash::BuildHasher;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
@@ -15,7 +17,7 @@ use std::time::Duration;
 use super::{BoxFuture, Check, Lease, Op, Store};
 use crate::algorithm::State;
 use crate::error::ConfigError;
-use crate::{Clock, Decision, Key, StoreError, SystemClock};
+use crate::{Clock, Decision, StoreError, SystemClock};
 
 /// The default maximum number of (rule, key) entries kept.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -47,14 +49,17 @@ struct Inner {
 
 struct Shard {
     table: HashTable<Entry>,
+    /// The store's hasher, to place entries again when the table grows.
+    hasher: DefaultHashBuilder,
     /// Sweep expired entries when the shard reaches this size.
     next_sweep: usize,
 }
 
+/// Kept small (no cached hash, the key's bytes boxed): a table of many keys is bound by cache
+/// misses, and smaller entries miss less.
 struct Entry {
-    hash: u64,
     rule: Arc<str>,
-    key: Key,
+    key: Box<[u8]>,
     state: State,
     /// From this time on the state equals a fresh one and can be dropped.
     expires_at: u64,
@@ -104,6 +109,11 @@ impl MemoryStore {
     /// Apply `op` to `checks` atomically, synchronously. [`Store::apply`] wraps this.
     pub fn apply_now(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
         self.inner.apply(op, checks)
+    }
+
+    /// Apply `op` to one check, synchronously, without allocating: the in-process hot path.
+    pub fn check(&self, op: Op, check: &Check<'_>) -> Decision {
+        self.inner.apply_one(op, check, self.inner.clock.now_us())
     }
 }
 
@@ -170,17 +180,19 @@ impl MemoryStoreBuilder {
     fn build_unchecked(self) -> MemoryStore {
         let shards = self.shards.next_power_of_two();
         let shard_capacity = self.max_keys / shards;
+        let hasher = DefaultHashBuilder::default();
         MemoryStore {
             inner: Arc::new(Inner {
                 shards: (0..shards)
                     .map(|_| {
                         Mutex::new(Shard {
                             table: HashTable::new(),
+                            hasher: hasher.clone(),
                             next_sweep: FIRST_SWEEP.min(shard_capacity),
                         })
                     })
                     .collect(),
-                hasher: DefaultHashBuilder::default(),
+                hasher,
                 clock: self.clock,
                 shard_capacity,
             }),
@@ -188,10 +200,11 @@ impl MemoryStoreBuilder {
     }
 }
 
-/// A poisoned shard only means another thread panicked mid-update; the state inside is still a
-/// valid rate-limit state, so keep serving.
+/// Shard locks are held for a few dozen nanoseconds: parking_lot's mutex spins briefly before
+/// parking, which keeps a contended hot key cheap, and it has no poisoning (a panic elsewhere
+/// leaves a valid rate-limit state behind).
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    shard.lock().unwrap_or_else(|e| e.into_inner())
+    shard.lock()
 }
 
 impl Inner {
@@ -209,17 +222,19 @@ impl Inner {
         let now = self.clock.now_us();
         match checks {
             [] => Vec::new(),
-            [check] => {
-                let hash = self.hash(check);
-                let mut shard = lock(&self.shards[self.shard_of(hash)]);
-                let decision = shard.decide(op, check, hash, now);
-                if op == Op::Consume && decision.allowed {
-                    shard.commit(check, hash, now, self.shard_capacity);
-                }
-                vec![decision]
-            }
+            [check] => vec![self.apply_one(op, check, now)],
             _ => self.apply_many(op, checks, now),
         }
+    }
+
+    fn apply_one(&self, op: Op, check: &Check<'_>, now: u64) -> Decision {
+        let hash = self.hash(check);
+        let mut shard = lock(&self.shards[self.shard_of(hash)]);
+        let decision = shard.decide(op, check, hash, now);
+        if op == Op::Consume && decision.allowed {
+            shard.commit(check, hash, now, self.shard_capacity);
+        }
+        decision
     }
 
     /// Several checks: lock every shard involved, in index order so two requests can never
@@ -260,8 +275,10 @@ impl Inner {
 
 impl Shard {
     fn find(&mut self, check: &Check<'_>, hash: u64) -> Option<&mut Entry> {
+        let rule = check.rule.shared_name();
+        let key = check.key.as_bytes();
         self.table.find_mut(hash, |e| {
-            e.hash == hash && *e.rule == *check.rule.name() && e.key == *check.key
+            *e.key == *key && (Arc::ptr_eq(&e.rule, rule) || *e.rule == **rule)
         })
     }
 
@@ -309,17 +326,7 @@ impl Shard {
             if self.table.len() >= self.next_sweep {
                 self.sweep(now, capacity);
             }
-            self.table.insert_unique(
-                hash,
-                Entry {
-                    hash,
-                    rule: check.rule.shared_name().clone(),
-                    key: check.key.clone(),
-                    state: State::new(quota),
-                    expires_at: 0,
-                },
-                |e| e.hash,
-            );
+            self.insert(hash, check, State::new(quota), 0);
         }
         let Some(entry) = self.find(check, hash) else {
             unreachable!("the entry was just found or inserted")
@@ -347,16 +354,20 @@ impl Shard {
         state.decide(now, quota, check.cost);
         state.commit(now, quota, check.cost);
         let expires_at = state.expires_at(quota);
+        self.insert(hash, check, state, expires_at);
+    }
+
+    fn insert(&mut self, hash: u64, check: &Check<'_>, state: State, expires_at: u64) {
+        let hasher = &self.hasher;
         self.table.insert_unique(
             hash,
             Entry {
-                hash,
                 rule: check.rule.shared_name().clone(),
-                key: check.key.clone(),
+                key: check.key.as_bytes().into(),
                 state,
                 expires_at,
             },
-            |e| e.hash,
+            |e| hasher.hash_one((&*e.rule, &*e.key)),
         );
     }
 
@@ -468,7 +479,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Algorithm, ManualClock, Quota, Rule};
+    use crate::{Algorithm, Key, ManualClock, Quota, Rule};
     use std::time::Duration;
 
     fn rule(name: &str, algorithm: Algorithm, limit: u64) -> Rule {

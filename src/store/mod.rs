@@ -85,8 +85,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>>;
 
     /// Take up to `check.cost` permits for `check.key` in one atomic step, valid for at most
-    /// `max_validity` (never past the end of the window that grants them; for the bucket
-    /// algorithms, the refill during that time is held back). Fails with
+    /// `max_validity` (never past the end of the window that grants them). Fails with
     /// [`StoreError::Script`] for the sliding log, which cannot be leased.
     fn lease<'a>(
         &'a self,

@@ -39,8 +39,7 @@ function gcra.lease(st, now, q, max, max_validity)
   local t = q.emission
   local horizon = q.burst * t
   local tat = math.max(st.tat, now)
-  local room = math.max(horizon - (max_validity + (tat - now)), 0)
-  local permits = math.min(max, math.floor(room / t))
+  local permits = math.min(max, math.floor(math.max(horizon - (tat - now), 0) / t))
   st.tat = tat + permits * t
   return permits, now + max_validity
 end

@@ -53,11 +53,8 @@ function token_bucket.save(st, now, q)
 end
 
 function token_bucket.lease(st, now, q, max, max_validity)
-  local scale, rate = q.token_units, q.refill_units
-  local full = q.burst * scale
-  local held_back = full
-  if max_validity < ceil_div(full, rate) then held_back = max_validity * rate end
-  local permits = math.min(max, math.floor(math.max(st.units - held_back, 0) / scale))
+  local scale = q.token_units
+  local permits = math.min(max, math.floor(st.units / scale))
   st.units = st.units - permits * scale
   return permits, now + max_validity
 end
