@@ -34,41 +34,59 @@ fn timed(threads: usize, iters: u64, check: impl Fn(usize) + Sync) -> Duration {
 }
 
 fn decisions(c: &mut Criterion) {
-    let keys: Vec<Key> = (0..KEYS as u32).map(|i| Key::new(i.to_be_bytes())).collect();
+    let keys: Vec<Key> = (0..KEYS as u32)
+        .map(|i| Key::new(i.to_be_bytes()))
+        .collect();
     let mut group = c.benchmark_group("keyed-check");
     group.warm_up_time(Duration::from_millis(500));
     group.measurement_time(Duration::from_secs(2));
     for (traffic, per_second) in [("allowed", 1_000_000_000u32), ("denied", 1)] {
         for spread in [1usize, KEYS] {
             for threads in [1usize, 2] {
-                let id = |name: &str| BenchmarkId::new(name, format!("{spread}-keys/{threads}-threads/{traffic}"));
+                let id = |name: &str| {
+                    BenchmarkId::new(name, format!("{spread}-keys/{threads}-threads/{traffic}"))
+                };
                 // governor, keyed, GCRA: the baseline.
-                let quota = governor::Quota::per_second(NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN))
-                    .allow_burst(NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN));
+                let quota = governor::Quota::per_second(
+                    NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN),
+                )
+                .allow_burst(NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN));
                 let gov = governor::RateLimiter::<Key, _, _>::dashmap(quota);
                 group.bench_function(id("governor"), |b| {
-                    b.iter_custom(|iters| timed(threads, iters, |i| {
-                        black_box(gov.check_key(&keys[i % spread]).is_ok());
-                    }))
+                    b.iter_custom(|iters| {
+                        timed(threads, iters, |i| {
+                            black_box(gov.check_key(&keys[i % spread]).is_ok());
+                        })
+                    })
                 });
                 for algorithm in Algorithm::ALL {
                     let allowed = per_second > 1;
                     let quota = match (algorithm, allowed) {
                         (_, false) => Quota::per_second(1).algorithm(algorithm),
                         // Mostly allowed: a rate no benchmark can exhaust.
-                        (Algorithm::SlidingLog, true) => Quota::per_second(10_000).algorithm(algorithm),
+                        (Algorithm::SlidingLog, true) => {
+                            Quota::per_second(10_000).algorithm(algorithm)
+                        }
                         (Algorithm::TokenBucket | Algorithm::Gcra, true) => {
-                            Quota::per_second(1_000_000).algorithm(algorithm).burst(1 << 40)
+                            Quota::per_second(1_000_000)
+                                .algorithm(algorithm)
+                                .burst(1 << 40)
                         }
                         (_, true) => Quota::per_second(u64::from(per_second)).algorithm(algorithm),
                     };
                     let rule = Rule::new("bench", quota.build().unwrap()).unwrap();
                     let store = MemoryStore::new();
                     group.bench_function(id(algorithm.name()), |b| {
-                        b.iter_custom(|iters| timed(threads, iters, |i| {
-                            let check = Check { rule: &rule, key: &keys[i % spread], cost: 1 };
-                            black_box(store.check(Op::Consume, &check));
-                        }))
+                        b.iter_custom(|iters| {
+                            timed(threads, iters, |i| {
+                                let check = Check {
+                                    rule: &rule,
+                                    key: &keys[i % spread],
+                                    cost: 1,
+                                };
+                                black_box(store.check(Op::Consume, &check));
+                            })
+                        })
                     });
                 }
             }

@@ -294,7 +294,9 @@ where
                         return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                     };
                     verdict.write_headers(response.headers_mut());
-                    response.extensions_mut().insert(verdict.info());
+                    if verdict.would_deny {
+                        response.extensions_mut().insert(verdict.info());
+                    }
                     match verdict.refund(response.status()) {
                         Some(refund) => this.state.set(State::Refunding {
                             refund,

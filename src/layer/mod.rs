@@ -24,7 +24,8 @@ pub use service::RateLimitService;
 use crate::Decision;
 
 /// The rate-limit outcome of a request, put in the request's extensions (so handlers can read
-/// it) and in the response's (so outer middleware can log it).
+/// it), in a denial's, and, in shadow mode, in the response of a request that would have been
+/// denied (so outer middleware can log it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RateLimitInfo {
     /// The most restrictive decision among the rules that applied.
