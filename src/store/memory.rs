@@ -187,7 +187,7 @@ impl MemoryStoreBuilder {
                     .map(|_| {
                         Mutex::new(Shard {
                             table: HashTable::new(),
-                            hasher: hasher.clone(),
+                            hasher,
                             next_sweep: FIRST_SWEEP.min(shard_capacity),
                         })
                     })
