@@ -26,6 +26,12 @@ mod keys;
 use keys::redis_key;
 pub use keys::slot;
 
+/// The Redis key of `rule`'s state for `key` under the default prefix, as text (the encoding
+/// is ASCII), for tools such as `redis-cli`.
+pub fn display_key(rule: &crate::Rule, key: &crate::Key) -> String {
+    String::from_utf8_lossy(&redis_key(DEFAULT_PREFIX, rule, key)).into_owned()
+}
+
 /// The default deadline for one store call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 
@@ -245,6 +251,30 @@ impl RedisStore {
     /// The Redis key holding `rule`'s state for `key` (for inspection and tests).
     pub fn key_for(&self, rule: &crate::Rule, key: &crate::Key) -> Vec<u8> {
         redis_key(&self.inner.prefix, rule, key)
+    }
+
+    /// The Lua script every decision runs (one `EVALSHA` per decision), for audits and for
+    /// measuring Redis's own ceiling with `redis-benchmark`. Its header documents the arguments.
+    pub fn script() -> &'static str {
+        SCRIPT
+    }
+
+    /// The script's arguments for one consume of `check` (after the key, which is
+    /// [`key_for`](RedisStore::key_for)), deciding on Redis's clock.
+    pub fn script_args(check: &Check<'_>) -> Vec<String> {
+        let q = check.rule.quota();
+        vec![
+            "consume".into(),
+            String::new(),
+            algorithm_code(q.algorithm()).to_string(),
+            q.limit().to_string(),
+            q.period_us().to_string(),
+            q.burst().to_string(),
+            q.emission_us().to_string(),
+            q.token_units().to_string(),
+            q.refill_units().to_string(),
+            check.cost.to_string(),
+        ]
     }
 
     /// The key prefix.

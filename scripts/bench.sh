@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# End-to-end figures, each printed as a ratio against a baseline measured in the same run.
+#   P4 layer:     the demo server (memory store) vs a bare axum hello-world and vs the same behind
+#                 tower_governor, loaded with wrk, on allowed and on denied traffic;
+#   P1 Redis:     Limiter decisions per second from one process vs redis-benchmark -P 16 running
+#                 EVALSHA of the same script on the same Redis (Redis's own ceiling);
+#   P2 hot key:   one key leased vs direct Redis.
+# Starts and stops its own servers (loopback only; killed by PID on exit). About 2 minutes.
+# Usage: scripts/bench.sh [SECONDS_PER_RUN (default 5)]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-5}
+
+need() { command -v "$1" >/dev/null 2>&1; }
+if ! need wrk || ! need redis-server || ! need redis-benchmark || ! need redis-cli; then
+  if need apt-get && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk redis-server redis-tools >/dev/null
+  else
+    echo "bench.sh needs wrk, redis-server, redis-cli and redis-benchmark (Debian: wrk redis-server redis-tools)" >&2
+    exit 1
+  fi
+fi
+
+cargo build --release --quiet --example server --example baseline --example redis_load
+BIN=target/release/examples
+
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+# Servers on core 0, load generators on core 1, when there are two cores to separate.
+SERVER_CPU=(); LOAD_CPU=()
+if need taskset && [ "$(nproc)" -ge 2 ]; then SERVER_CPU=(taskset -c 0); LOAD_CPU=(taskset -c 1); fi
+
+LAST_PORT=
+start() { # start CMD...: run a server that prints "listening on http://127.0.0.1:PORT"
+  local out; out=$(mktemp)
+  "${SERVER_CPU[@]}" "$@" >"$out" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 200); do
+    if grep -q '^listening on' "$out"; then LAST_PORT=$(sed -n 's/^listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$out" | head -1); rm -f "$out"; return; fi
+    sleep 0.05
+  done
+  echo "server did not start: $*" >&2; cat "$out" >&2; exit 1
+}
+stop_last() { local p=${PIDS[-1]}; kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; unset 'PIDS[-1]'; }
+wrk_rps() { "${LOAD_CPU[@]}" wrk -t1 -c64 -d"${SECS}s" "http://127.0.0.1:$1/" | awk '/Requests\/sec/ {print $2}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
+ROWS=()
+row() { ROWS+=("| $1 | $2 | $3 | $4 | $(ratio "$2" "$4") | $5 |"); }
+
+echo "measuring the layer (wrk, ${SECS}s per run)..." >&2
+start "$BIN/baseline" --kind bare --port 0;                 bare=$(wrk_rps "$LAST_PORT"); stop_last
+start "$BIN/baseline" --kind governor --port 0;             gov=$(wrk_rps "$LAST_PORT"); stop_last
+start "$BIN/baseline" --kind governor --denied --port 0;    gov_denied=$(wrk_rps "$LAST_PORT"); stop_last
+start "$BIN/server" --port 0 --limit 1000000000 --period 1s; demo=$(wrk_rps "$LAST_PORT"); stop_last
+start "$BIN/server" --port 0 --limit 1 --period 1h;          demo_denied=$(wrk_rps "$LAST_PORT"); stop_last
+row "demo server, memory store, allowed (req/s)" "$demo" "bare axum" "$bare" "≥ 0.90"
+row "demo server, memory store, allowed (req/s)" "$demo" "tower_governor" "$gov" "≥ 0.95"
+row "demo server, memory store, denied (req/s)" "$demo_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
+
+echo "measuring Redis..." >&2
+RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"${SERVER_CPU[@]}" redis-server --port "$RPORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 100); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+SHA=$(redis-cli -p "$RPORT" SCRIPT LOAD "$("$BIN/baseline" --print-script)")
+read -r -a ARGS <<<"$("$BIN/baseline" --print-args | sed 's/""/__EMPTY__/')"
+for i in "${!ARGS[@]}"; do [ "${ARGS[$i]}" = "__EMPTY__" ] && ARGS[$i]=""; done
+ceiling=$("${LOAD_CPU[@]}" redis-benchmark -p "$RPORT" -n 400000 -c 50 -P 16 -q EVALSHA "$SHA" 1 "${ARGS[@]}" \
+  | tr '\r' '\n' | awk '/requests per second/ {for (i=1;i<=NF;i++) if ($i ~ /^[0-9.]+$/) v=$i} END {print v}')
+limiter=$("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 256 --seconds "$SECS" | awk '{print $2}')
+row "Limiter decisions from one process (/s)" "$limiter" "redis-benchmark -P 16 EVALSHA" "$ceiling" "≥ 1.00"
+direct=$("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 64 --keys 1 --seconds "$SECS" | awk '{print $2}')
+leased_out=$("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 64 --keys 1 --lease 1000 --seconds "$SECS")
+leased=$(awk '{print $2}' <<<"$leased_out"); lease_calls=$(awk '{print $4}' <<<"$leased_out")
+row "one hot key, leased, 1,000-permit blocks (/s; $lease_calls lease calls)" "$leased" "same key, direct Redis" "$direct" "≥ 20"
+start "$BIN/server" --port 0 --store "redis://127.0.0.1:$RPORT" --on-store-error open --limit 1000000000 --period 1s
+demo_redis=$(wrk_rps "$LAST_PORT"); stop_last
+row "demo server on Redis, allowed (req/s)" "$demo_redis" "demo server, memory store" "$demo" "(information)"
+
+echo
+echo "machine: $(nproc) cores, $(awk -F: '/model name/ {print $2; exit}' /proc/cpuinfo | sed 's/^ *//'); servers pinned to core 0, load to core 1: ${SERVER_CPU[*]:-no}"
+echo
+echo "| measured | value | baseline | baseline value | ratio | target |"
+echo "|---|---:|---|---:|---:|---|"
+printf '%s\n' "${ROWS[@]}"
