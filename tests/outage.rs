@@ -38,6 +38,9 @@ async fn limiter(url: &str, policy: OnStoreError, limit: u64) -> Limiter {
         .rule(rule(limit))
         .on_store_error(policy)
         .deadline(DEADLINE)
+        // These tests watch every decision reach Redis (or the policy); remembered denials, which
+        // would answer some of them in process, are tested in tests/leasing.rs.
+        .deny_cache(0)
         .breaker(BreakerConfig {
             failures: 3,
             cool_down: Duration::from_millis(200),

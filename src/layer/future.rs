@@ -26,6 +26,50 @@ struct Verdict {
 }
 
 impl Verdict {
+    fn new(
+        config: Arc<Config>,
+        targets: Vec<(usize, Key)>,
+        cost: u64,
+        decisions: Vec<Decision>,
+        started: Instant,
+    ) -> Verdict {
+        log_decisions(&config, &targets, &decisions, started);
+        let governing = decisions
+            .iter()
+            .copied()
+            .reduce(Decision::more_restrictive)
+            .unwrap_or_else(|| Decision::admit(0, 0, std::time::Duration::ZERO));
+        let would_deny = !governing.allowed && config.shadow;
+        if would_deny {
+            tracing::info!(
+                retry_after = ?governing.retry_after,
+                "fleetlimit: shadow mode let through a request it would deny"
+            );
+        }
+        Verdict {
+            config,
+            targets,
+            cost,
+            decisions,
+            governing,
+            would_deny,
+        }
+    }
+
+    /// Whether the request goes on to the service (admitted, or let through by shadow mode).
+    fn admits(&self) -> bool {
+        self.governing.allowed || self.would_deny
+    }
+
+    /// The response refusing the request.
+    fn denial(&self, grpc: bool) -> Response<Bytes> {
+        let c = &self.config;
+        let mut response = response::denied(&self.governing, &c.denial, grpc, c.unavailable_status);
+        self.write_headers(response.headers_mut());
+        response.extensions_mut().insert(self.info());
+        response
+    }
+
     fn rules(&self) -> Vec<&Rule> {
         let rules = self.config.limiter.rules();
         self.targets
@@ -35,9 +79,10 @@ impl Verdict {
     }
 
     fn write_headers(&self, headers: &mut http::HeaderMap) {
-        self.config
-            .headers
-            .write(&self.rules(), &self.decisions, &self.governing, headers);
+        let style = self.config.headers;
+        // Only the IETF style names the rules; the others need no list.
+        let rules = if style == super::HeaderStyle::Ietf { self.rules() } else { Vec::new() };
+        style.write(&rules, &self.decisions, &self.governing, headers);
     }
 
     fn info(&self) -> RateLimitInfo {
@@ -78,6 +123,17 @@ impl Verdict {
 
 type Decided = (Result<Vec<Decision>, Error>, Vec<(usize, Key)>);
 
+/// What waits for a store decision. Boxed, so that the future stays small on the in-process
+/// path, where it is moved a few times per request.
+struct Waiting<S, B> {
+    config: Arc<Config>,
+    cost: u64,
+    grpc: bool,
+    inner: S,
+    req: Request<B>,
+    started: Instant,
+}
+
 pin_project! {
     /// The future of a [`RateLimitService`](super::RateLimitService) call: first the decision,
     /// then (if admitted) the inner service, whose response gets the rate-limit headers, then any
@@ -100,10 +156,7 @@ pin_project! {
     {
         Deciding {
             decision: BoxFuture<'static, Decided>,
-            config: Option<(Arc<Config>, u64, bool)>,
-            inner: Option<S>,
-            req: Option<Request<B>>,
-            started: Instant,
+            waiting: Option<Box<Waiting<S, B>>>,
         },
         Calling {
             #[pin]
@@ -128,9 +181,25 @@ where
         targets: Vec<(usize, Key)>,
         cost: u64,
         grpc: bool,
-        inner: S,
-        req: Request<B>,
+        mut inner: S,
+        mut req: Request<B>,
     ) -> Self {
+        // An in-process store decides on the spot: no boxed future, no extra state.
+        if let Some(decisions) = config.limiter.consume_now(&targets, cost) {
+            let started = Instant::now();
+            let verdict = Verdict::new(config, targets, cost, decisions, started);
+            if verdict.admits() {
+                req.extensions_mut().insert(verdict.info());
+                return ResponseFuture {
+                    state: State::Calling { future: inner.call(req) },
+                    verdict: Some(verdict),
+                };
+            }
+            return ResponseFuture {
+                state: State::Answered { response: Some(verdict.denial(grpc)) },
+                verdict: None,
+            };
+        }
         let limiter = config.limiter.clone();
         let decision: BoxFuture<'static, Decided> = Box::pin(async move {
             let result = limiter.apply_indexed(Op::Consume, &targets, cost).await;
@@ -139,10 +208,14 @@ where
         ResponseFuture {
             state: State::Deciding {
                 decision,
-                config: Some((config, cost, grpc)),
-                inner: Some(inner),
-                req: Some(req),
-                started: Instant::now(),
+                waiting: Some(Box::new(Waiting {
+                    config,
+                    cost,
+                    grpc,
+                    inner,
+                    req,
+                    started: Instant::now(),
+                })),
             },
             verdict: None,
         }
@@ -227,17 +300,12 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Deciding {
-                    decision,
-                    config,
-                    inner,
-                    req,
-                    started,
-                } => {
+                StateProj::Deciding { decision, waiting } => {
                     let (result, targets) = ready!(decision.as_mut().poll(cx));
-                    let Some((config, cost, grpc)) = config.take() else {
+                    let Some(waiting) = waiting.take() else {
                         unreachable!("the decision completes once")
                     };
+                    let Waiting { config, cost, grpc, mut inner, mut req, started } = *waiting;
                     let decisions = match result {
                         Ok(d) => d,
                         Err(error) => {
@@ -250,42 +318,14 @@ where
                             return Poll::Ready(Ok(r.map(ResponseBody::full)));
                         }
                     };
-                    log_decisions(&config, &targets, &decisions, *started);
-                    let governing = decisions
-                        .iter()
-                        .copied()
-                        .reduce(Decision::more_restrictive)
-                        .unwrap_or_else(|| Decision::admit(0, 0, std::time::Duration::ZERO));
-                    let would_deny = !governing.allowed && config.shadow;
-                    let verdict = Verdict {
-                        config,
-                        targets,
-                        cost,
-                        decisions,
-                        governing,
-                        would_deny,
-                    };
-                    if governing.allowed || would_deny {
-                        if would_deny {
-                            tracing::info!(
-                                retry_after = ?governing.retry_after,
-                                "fleetlimit: shadow mode let through a request it would deny"
-                            );
-                        }
-                        let (Some(mut inner), Some(mut req)) = (inner.take(), req.take()) else {
-                            unreachable!("the request is taken once, on admission")
-                        };
+                    let verdict = Verdict::new(config, targets, cost, decisions, started);
+                    if verdict.admits() {
                         req.extensions_mut().insert(verdict.info());
                         let future = inner.call(req);
                         *this.verdict = Some(verdict);
                         this.state.set(State::Calling { future });
                     } else {
-                        let c = &verdict.config;
-                        let mut response =
-                            response::denied(&governing, &c.denial, grpc, c.unavailable_status);
-                        verdict.write_headers(response.headers_mut());
-                        response.extensions_mut().insert(verdict.info());
-                        return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                        return Poll::Ready(Ok(verdict.denial(grpc).map(ResponseBody::full)));
                     }
                 }
                 StateProj::Calling { future } => {

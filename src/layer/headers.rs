@@ -57,6 +57,20 @@ static LEGACY: [HeaderName; 3] = [
 static POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+/// A header value for a number. Small numbers (most limits, remainders and resets) come from a
+/// table built once, and cloning one shares its bytes: no allocation per response.
+pub(crate) fn number(n: u64) -> HeaderValue {
+    const CACHED: u64 = 4096;
+    static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
+    if n < CACHED {
+        let table = SMALL.get_or_init(|| (0..CACHED).map(HeaderValue::from).collect());
+        if let Some(v) = table.get(n as usize) {
+            return v.clone();
+        }
+    }
+    HeaderValue::from(n)
+}
+
 /// Whole seconds, rounded up: a client that waits this long is never early.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
@@ -88,12 +102,10 @@ impl HeaderStyle {
             HeaderStyle::Ietf => return write_ietf(rules, decisions, headers),
             HeaderStyle::None => return,
         };
-        headers.insert(names[0].clone(), HeaderValue::from(governing.limit));
-        headers.insert(names[1].clone(), HeaderValue::from(governing.remaining));
-        headers.insert(
-            names[2].clone(),
-            HeaderValue::from(ceil_secs(governing.reset_after)),
-        );
+        headers.reserve(3);
+        headers.insert(names[0].clone(), number(governing.limit));
+        headers.insert(names[1].clone(), number(governing.remaining));
+        headers.insert(names[2].clone(), number(ceil_secs(governing.reset_after)));
     }
 }
 

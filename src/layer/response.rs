@@ -92,7 +92,7 @@ pub(crate) fn denied(
     if let Some(retry) = decision.retry_after {
         let headers = response.headers_mut();
         if !headers.contains_key(RETRY_AFTER) {
-            headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry).max(1)));
+            headers.insert(RETRY_AFTER, super::headers::number(ceil_secs(retry).max(1)));
         }
     }
     response

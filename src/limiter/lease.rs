@@ -285,6 +285,11 @@ impl Leases {
         }
     }
 
+    /// No rule is leased: every decision can go straight to the store.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.configs.iter().all(Option::is_none)
+    }
+
     pub(crate) fn lease_calls(&self) -> u64 {
         self.lease_calls.load(Ordering::Relaxed)
     }

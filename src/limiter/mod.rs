@@ -453,6 +453,29 @@ impl Limiter {
         self.decide_checks(op, &checks).await
     }
 
+    /// Decide a consume right now when the store is in process and nothing (leasing) needs a
+    /// future; `None` means "await [`apply_indexed`](Limiter::apply_indexed)".
+    pub(crate) fn consume_now(&self, targets: &[(usize, Key)], cost: u64) -> Option<Vec<Decision>> {
+        let inner = &self.inner;
+        if inner.policy.is_some() || cost == 0 || !inner.leases.is_idle() {
+            return None;
+        }
+        let rules = &inner.rules;
+        match targets {
+            [(i, key)] => {
+                let check = Check { rule: rules.get(*i)?, key, cost };
+                inner.store.apply_now(Op::Consume, std::slice::from_ref(&check))
+            }
+            _ => {
+                let checks = targets
+                    .iter()
+                    .map(|(i, key)| Some(Check { rule: rules.get(*i)?, key, cost }))
+                    .collect::<Option<Vec<_>>>()?;
+                inner.store.apply_now(Op::Consume, &checks)
+            }
+        }
+    }
+
     /// Like [`apply_to`](Limiter::apply_to), with rules by their index in [`rules`](Limiter::rules).
     pub(crate) async fn apply_indexed(
         &self,

@@ -448,6 +448,10 @@ fn peek(state: &mut State, now: u64, quota: &crate::Quota) -> Decision {
 }
 
 impl Store for MemoryStore {
+    fn apply_now(&self, op: Op, checks: &[Check<'_>]) -> Option<Vec<Decision>> {
+        Some(self.inner.apply(op, checks))
+    }
+
     fn lease<'a>(
         &'a self,
         check: Check<'a>,

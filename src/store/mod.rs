@@ -101,6 +101,12 @@ pub trait Store: Send + Sync + 'static {
         valid_until_us: u64,
     ) -> BoxFuture<'a, Result<Decision, StoreError>>;
 
+    /// Decide right now, without a future, when the store can (an in-process store); `None`
+    /// means "await [`apply`](Store::apply)". Lets the layer skip a boxed future per request.
+    fn apply_now(&self, _op: Op, _checks: &[Check<'_>]) -> Option<Vec<Decision>> {
+        None
+    }
+
     /// How many parts of the store can fail independently (a cluster's slots). The limiter keeps
     /// a circuit breaker for each, so one dead node does not take the others' keys down with it.
     fn failure_domains(&self) -> usize {
