@@ -5,11 +5,14 @@
 #   P1 Redis:     Limiter decisions per second from one process vs redis-benchmark -P 16 running
 #                 EVALSHA of the same script on the same Redis (Redis's own ceiling);
 #   P2 hot key:   one key leased vs direct Redis.
-# Starts and stops its own servers (loopback only; killed by PID on exit). About 2 minutes.
-# Usage: scripts/bench.sh [SECONDS_PER_RUN (default 5)]
+# Each measurement runs ROUNDS times, interleaved with its baseline (these machines are shared and
+# noisy; interleaving keeps drift out of the ratios), and the median is reported with min–max.
+# Starts and stops its own servers (loopback only; killed by PID on exit). About 3 minutes.
+# Usage: scripts/bench.sh [SECONDS_PER_RUN (default 3)] [ROUNDS (default 3)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SECS=${1:-5}
+SECS=${1:-3}
+ROUNDS=${2:-3}
 
 need() { command -v "$1" >/dev/null 2>&1; }
 if ! need wrk || ! need redis-server || ! need redis-benchmark || ! need redis-cli; then
@@ -47,16 +50,29 @@ start() { # start CMD...: run a server that prints "listening on http://127.0.0.
 stop_last() { local p=${PIDS[-1]}; kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; unset 'PIDS[-1]'; }
 wrk_rps() { "${LOAD_CPU[@]}" wrk -t1 -c64 -d"${SECS}s" "http://127.0.0.1:$1/" | awk '/Requests\/sec/ {print $2}'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
+minmax() { tr ' ' '\n' | grep -v '^$' | sort -g | awk 'NR==1 {lo=$1} {hi=$1} END {printf "%s–%s", lo, hi}'; }
 
 ROWS=()
-row() { ROWS+=("| $1 | $2 | $3 | $4 | $(ratio "$2" "$4") | $5 |"); }
+# row LABEL "VALUES" BASELINE "BASELINE_VALUES" TARGET: medians, their ratio, and the ratios' range
+# over the interleaved rounds.
+row() {
+  local v b ratios="" i
+  v=$(median <<<"$2"); b=$(median <<<"$4")
+  read -r -a va <<<"$2"; read -r -a ba <<<"$4"
+  for i in "${!va[@]}"; do ratios+=" $(ratio "${va[$i]}" "${ba[$i]:-${ba[0]}}")"; done
+  ROWS+=("| $1 | $v | $3 | $b | $(ratio "$v" "$b") ($(minmax <<<"$ratios")) | $5 |")
+}
 
-echo "measuring the layer (wrk, ${SECS}s per run)..." >&2
-start "$BIN/baseline" --kind bare --port 0;                 bare=$(wrk_rps "$LAST_PORT"); stop_last
-start "$BIN/baseline" --kind governor --port 0;             gov=$(wrk_rps "$LAST_PORT"); stop_last
-start "$BIN/baseline" --kind governor --denied --port 0;    gov_denied=$(wrk_rps "$LAST_PORT"); stop_last
-start "$BIN/server" --port 0 --limit 1000000000 --period 1s; demo=$(wrk_rps "$LAST_PORT"); stop_last
-start "$BIN/server" --port 0 --limit 1 --period 1h;          demo_denied=$(wrk_rps "$LAST_PORT"); stop_last
+echo "measuring the layer (wrk, ${SECS}s per run, ${ROUNDS} rounds)..." >&2
+bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""
+for _ in $(seq 1 "$ROUNDS"); do
+  start "$BIN/baseline" --kind bare --port 0;                 bare+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  start "$BIN/server" --port 0 --limit 1000000000 --period 1s; demo+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  start "$BIN/baseline" --kind governor --port 0;             gov+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  start "$BIN/baseline" --kind governor --denied --port 0;    gov_denied+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  start "$BIN/server" --port 0 --limit 1 --period 1h;          demo_denied+=" $(wrk_rps "$LAST_PORT")"; stop_last
+done
 row "demo server, memory store, allowed (req/s)" "$demo" "bare axum" "$bare" "≥ 0.90"
 row "demo server, memory store, allowed (req/s)" "$demo" "tower_governor" "$gov" "≥ 0.95"
 row "demo server, memory store, denied (req/s)" "$demo_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
@@ -69,21 +85,24 @@ for _ in $(seq 1 100); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; s
 SHA=$(redis-cli -p "$RPORT" SCRIPT LOAD "$("$BIN/baseline" --print-script)")
 read -r -a ARGS <<<"$("$BIN/baseline" --print-args | sed 's/""/__EMPTY__/')"
 for i in "${!ARGS[@]}"; do [ "${ARGS[$i]}" = "__EMPTY__" ] && ARGS[$i]=""; done
-ceiling=$("${LOAD_CPU[@]}" redis-benchmark -p "$RPORT" -n 400000 -c 50 -P 16 -q EVALSHA "$SHA" 1 "${ARGS[@]}" \
-  | tr '\r' '\n' | awk '/requests per second/ {for (i=1;i<=NF;i++) if ($i ~ /^[0-9.]+$/) v=$i} END {print v}')
-limiter=$("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 256 --seconds "$SECS" | awk '{print $2}')
+ceiling=""; limiter=""; direct=""; leased=""; lease_calls=0
+for _ in $(seq 1 "$ROUNDS"); do
+  ceiling+=" $("${LOAD_CPU[@]}" redis-benchmark -p "$RPORT" -n 300000 -c 50 -P 16 -q EVALSHA "$SHA" 1 "${ARGS[@]}" \
+    | tr '\r' '\n' | awk '/requests per second/ {for (i=1;i<=NF;i++) if ($i ~ /^[0-9.]+$/) v=$i} END {print v}')"
+  limiter+=" $("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 256 --seconds "$SECS" | awk '{print $2}')"
+  direct+=" $("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 64 --keys 1 --seconds "$SECS" | awk '{print $2}')"
+  out=$("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 64 --keys 1 --lease 1000 --seconds "$SECS")
+  leased+=" $(awk '{print $2}' <<<"$out")"; lease_calls=$(awk '{print $4}' <<<"$out")
+done
 row "Limiter decisions from one process (/s)" "$limiter" "redis-benchmark -P 16 EVALSHA" "$ceiling" "≥ 1.00"
-direct=$("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 64 --keys 1 --seconds "$SECS" | awk '{print $2}')
-leased_out=$("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 64 --keys 1 --lease 1000 --seconds "$SECS")
-leased=$(awk '{print $2}' <<<"$leased_out"); lease_calls=$(awk '{print $4}' <<<"$leased_out")
-row "one hot key, leased, 1,000-permit blocks (/s; $lease_calls lease calls)" "$leased" "same key, direct Redis" "$direct" "≥ 20"
+row "one hot key, leased, 1,000-permit blocks (/s; last run $lease_calls lease calls)" "$leased" "same key, direct Redis" "$direct" "≥ 20"
 start "$BIN/server" --port 0 --store "redis://127.0.0.1:$RPORT" --on-store-error open --limit 1000000000 --period 1s
 demo_redis=$(wrk_rps "$LAST_PORT"); stop_last
-row "demo server on Redis, allowed (req/s)" "$demo_redis" "demo server, memory store" "$demo" "(information)"
+row "demo server on Redis, allowed (req/s)" "$demo_redis" "demo server, memory store" "$(median <<<"$demo")" "(information)"
 
 echo
 echo "machine: $(nproc) cores, $(awk -F: '/model name/ {print $2; exit}' /proc/cpuinfo | sed 's/^ *//'); servers pinned to core 0, load to core 1: ${SERVER_CPU[*]:-no}"
 echo
-echo "| measured | value | baseline | baseline value | ratio | target |"
+echo "| measured (median of $ROUNDS) | value | baseline | baseline value | ratio (range) | target |"
 echo "|---|---:|---|---:|---:|---|"
 printf '%s\n' "${ROWS[@]}"

@@ -9,7 +9,7 @@ use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::layer::Config;
+use super::layer::{Config, Targets};
 use super::{response, RateLimitInfo, ResponseBody};
 use crate::store::{BoxFuture, Op};
 use crate::{Decision, Error, Key, Rule};
@@ -17,9 +17,9 @@ use crate::{Decision, Error, Key, Rule};
 /// What was decided for one request, kept until the response is out.
 struct Verdict {
     config: Arc<Config>,
-    targets: Vec<(usize, Key)>,
+    targets: Targets,
     cost: u64,
-    decisions: Vec<Decision>,
+    decisions: Decisions,
     governing: Decision,
     /// Shadow mode let through a request that would have been denied.
     would_deny: bool,
@@ -28,9 +28,9 @@ struct Verdict {
 impl Verdict {
     fn new(
         config: Arc<Config>,
-        targets: Vec<(usize, Key)>,
+        targets: Targets,
         cost: u64,
-        decisions: Vec<Decision>,
+        decisions: Decisions,
         started: Instant,
     ) -> Verdict {
         log_decisions(&config, &targets, &decisions, started);
@@ -81,7 +81,11 @@ impl Verdict {
     fn write_headers(&self, headers: &mut http::HeaderMap) {
         let style = self.config.headers;
         // Only the IETF style names the rules; the others need no list.
-        let rules = if style == super::HeaderStyle::Ietf { self.rules() } else { Vec::new() };
+        let rules = if style == super::HeaderStyle::Ietf {
+            self.rules()
+        } else {
+            Vec::new()
+        };
         style.write(&rules, &self.decisions, &self.governing, headers);
     }
 
@@ -121,7 +125,8 @@ impl Verdict {
     }
 }
 
-type Decided = (Result<Vec<Decision>, Error>, Vec<(usize, Key)>);
+type Decided = (Result<Vec<Decision>, Error>, Targets);
+type Decisions = smallvec::SmallVec<[Decision; 2]>;
 
 /// What waits for a store decision. Boxed, so that the future stays small on the in-process
 /// path, where it is moved a few times per request.
@@ -178,7 +183,7 @@ where
 {
     pub(crate) fn check(
         config: Arc<Config>,
-        targets: Vec<(usize, Key)>,
+        targets: Targets,
         cost: u64,
         grpc: bool,
         mut inner: S,
@@ -191,12 +196,16 @@ where
             if verdict.admits() {
                 req.extensions_mut().insert(verdict.info());
                 return ResponseFuture {
-                    state: State::Calling { future: inner.call(req) },
+                    state: State::Calling {
+                        future: inner.call(req),
+                    },
                     verdict: Some(verdict),
                 };
             }
             return ResponseFuture {
-                state: State::Answered { response: Some(verdict.denial(grpc)) },
+                state: State::Answered {
+                    response: Some(verdict.denial(grpc)),
+                },
                 verdict: None,
             };
         }
@@ -305,7 +314,14 @@ where
                     let Some(waiting) = waiting.take() else {
                         unreachable!("the decision completes once")
                     };
-                    let Waiting { config, cost, grpc, mut inner, mut req, started } = *waiting;
+                    let Waiting {
+                        config,
+                        cost,
+                        grpc,
+                        mut inner,
+                        mut req,
+                        started,
+                    } = *waiting;
                     let decisions = match result {
                         Ok(d) => d,
                         Err(error) => {
@@ -318,7 +334,7 @@ where
                             return Poll::Ready(Ok(r.map(ResponseBody::full)));
                         }
                     };
-                    let verdict = Verdict::new(config, targets, cost, decisions, started);
+                    let verdict = Verdict::new(config, targets, cost, decisions.into(), started);
                     if verdict.admits() {
                         req.extensions_mut().insert(verdict.info());
                         let future = inner.call(req);

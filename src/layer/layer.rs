@@ -71,6 +71,9 @@ pub(crate) struct Config {
     pub(crate) shadow: bool,
 }
 
+/// The (rule index, key) pairs a request counts against; most requests have one or two.
+pub(crate) type Targets = smallvec::SmallVec<[(usize, Key); 2]>;
+
 /// What the layer does with one request.
 pub(crate) enum Plan {
     /// No rule applies (or the request costs nothing): straight to the service.
@@ -78,10 +81,7 @@ pub(crate) enum Plan {
     /// An applicable rule has no key and the missing-key rule says reject.
     NoKey,
     /// Consume `cost` from these (rule index, key) pairs.
-    Check {
-        targets: Vec<(usize, Key)>,
-        cost: u64,
-    },
+    Check { targets: Targets, cost: u64 },
 }
 
 impl Config {
@@ -91,7 +91,7 @@ impl Config {
             return Plan::Pass;
         }
         let mut default_key: Option<Option<Key>> = None;
-        let mut targets = Vec::with_capacity(self.scopes.len());
+        let mut targets = Targets::new();
         for (i, scope) in self.scopes.iter().enumerate() {
             if !scope.matches(parts) {
                 continue;

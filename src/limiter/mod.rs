@@ -455,7 +455,11 @@ impl Limiter {
 
     /// Decide a consume right now when the store is in process and nothing (leasing) needs a
     /// future; `None` means "await [`apply_indexed`](Limiter::apply_indexed)".
-    pub(crate) fn consume_now(&self, targets: &[(usize, Key)], cost: u64) -> Option<Vec<Decision>> {
+    pub(crate) fn consume_now(
+        &self,
+        targets: &[(usize, Key)],
+        cost: u64,
+    ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
         let inner = &self.inner;
         if inner.policy.is_some() || cost == 0 || !inner.leases.is_idle() {
             return None;
@@ -463,15 +467,26 @@ impl Limiter {
         let rules = &inner.rules;
         match targets {
             [(i, key)] => {
-                let check = Check { rule: rules.get(*i)?, key, cost };
-                inner.store.apply_now(Op::Consume, std::slice::from_ref(&check))
+                let check = Check {
+                    rule: rules.get(*i)?,
+                    key,
+                    cost,
+                };
+                let d = inner.store.check_now(Op::Consume, &check)?;
+                Some(smallvec::smallvec![d])
             }
             _ => {
                 let checks = targets
                     .iter()
-                    .map(|(i, key)| Some(Check { rule: rules.get(*i)?, key, cost }))
+                    .map(|(i, key)| {
+                        Some(Check {
+                            rule: rules.get(*i)?,
+                            key,
+                            cost,
+                        })
+                    })
                     .collect::<Option<Vec<_>>>()?;
-                inner.store.apply_now(Op::Consume, &checks)
+                inner.store.apply_now(Op::Consume, &checks).map(Into::into)
             }
         }
     }

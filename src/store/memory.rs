@@ -452,6 +452,10 @@ impl Store for MemoryStore {
         Some(self.inner.apply(op, checks))
     }
 
+    fn check_now(&self, op: Op, check: &Check<'_>) -> Option<Decision> {
+        Some(self.check(op, check))
+    }
+
     fn lease<'a>(
         &'a self,
         check: Check<'a>,

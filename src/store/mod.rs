@@ -107,6 +107,11 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// [`apply_now`](Store::apply_now) for one check, without allocating.
+    fn check_now(&self, _op: Op, _check: &Check<'_>) -> Option<Decision> {
+        None
+    }
+
     /// How many parts of the store can fail independently (a cluster's slots). The limiter keeps
     /// a circuit breaker for each, so one dead node does not take the others' keys down with it.
     fn failure_domains(&self) -> usize {
