@@ -65,3 +65,8 @@ pub use limiter::{
 pub use quota::{Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_PERIOD};
 pub use rule::Rule;
 pub use store::{MemoryStore, RedisStore, Store};
+
+/// The README's code blocks are compiled as doc tests, so its quick start cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
