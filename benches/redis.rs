@@ -9,7 +9,6 @@
 //!
 //! `cargo bench --bench redis`
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,48 +16,18 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use fleetlimit::store::{Check, RedisStore};
 use fleetlimit::{Algorithm, Key, LeaseConfig, Limiter, OnStoreError, Quota, Rule};
 
-/// The server this bench started, killed by PID on drop.
-struct Server(Option<Child>, String);
+#[path = "../examples/support/redis_process.rs"]
+#[allow(dead_code)]
+mod redis_process;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(child) = self.0.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn redis() -> Server {
+/// The Redis to measure against: `FLEETLIMIT_BENCH_REDIS`, or one started for the run.
+fn redis() -> (Option<redis_process::RedisProcess>, String) {
     if let Ok(url) = std::env::var("FLEETLIMIT_BENCH_REDIS") {
-        return Server(None, url);
+        return (None, url);
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server (apt-get install redis-server)");
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Server(Some(child), format!("redis://127.0.0.1:{port}"))
+    let server = redis_process::RedisProcess::start().expect("redis-server");
+    let url = server.url();
+    (Some(server), url)
 }
 
 fn rule(algorithm: Algorithm) -> Rule {

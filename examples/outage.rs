@@ -8,50 +8,16 @@
 //! cargo run --release --example outage [-- --decisions 2000]
 //! ```
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fleetlimit::store::RedisStore;
 use fleetlimit::{Key, Limiter, OnStoreError, Quota, Rule};
 
-/// The server we started, killed by PID (SIGKILL ends a paused process too) when dropped.
-struct Server(Child);
+#[path = "support/redis_process.rs"]
+mod redis_process;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_redis() -> Result<(Server, u16), String> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| e.to_string())?
-        .port();
-    let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start redis-server (apt-get install redis-server): {e}"))?;
-    let server = Server(child);
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok((server, port));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Err("redis-server did not start".into())
-}
+use redis_process::RedisProcess;
 
 async fn measure(limiter: &Limiter, n: usize) -> (Duration, Duration, Duration, u64) {
     let mut took = Vec::with_capacity(n);
@@ -73,8 +39,8 @@ async fn main() -> Result<(), String> {
         [flag, v] if flag == "--decisions" => v.parse().map_err(|_| "--decisions N")?,
         _ => return Err("usage: outage [--decisions N]".into()),
     };
-    let (mut server, port) = start_redis()?;
-    let store = RedisStore::connect(&format!("redis://127.0.0.1:{port}"))
+    let mut server = RedisProcess::start()?;
+    let store = RedisStore::connect(&server.url())
         .await
         .map_err(|e| e.to_string())?;
     let rule = Rule::new(
@@ -98,7 +64,7 @@ async fn main() -> Result<(), String> {
     };
     row("healthy", measure(&limiter, n).await);
 
-    let pid = server.0.id().to_string();
+    let pid = server.pid().to_string();
     Command::new("kill")
         .args(["-STOP", &pid])
         .status()
@@ -109,8 +75,7 @@ async fn main() -> Result<(), String> {
         .status()
         .map_err(|e| e.to_string())?;
 
-    server.0.kill().map_err(|e| e.to_string())?;
-    let _ = server.0.wait();
+    server.kill();
     row("dead (killed)", measure(&limiter, n).await);
     Ok(())
 }
