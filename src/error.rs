@@ -105,6 +105,9 @@ pub enum Error {
     /// A request named a rule the limiter does not have.
     #[error("no rule named {0:?}")]
     UnknownRule(String),
+    /// The same rule and key twice in one request (it would count once per mention).
+    #[error("rule {0:?} is named twice for the same key in one request")]
+    DuplicateTarget(String),
     /// A cost of zero, or one that cannot be represented.
     #[error("invalid cost {0}: a cost must be at least 1")]
     InvalidCost(u64),

@@ -446,7 +446,9 @@ async fn per_tenant_plans_and_weighted_cost() {
 #[tokio::test]
 async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
     let limiter = memory_limiter(vec![rule("ip", 1)]);
-    let trusted = PeerIp::default().trust(TrustedProxies::new(["10.0.0.0/8"]).unwrap());
+    let trusted = PeerIp::default()
+        .trust(TrustedProxies::new(["10.0.0.0/8"]).unwrap())
+        .forwarded_header(fleetlimit::key::ForwardedHeader::Both);
     let app = app(RateLimitLayer::builder(limiter)
         .peer_ip(trusted)
         .build()
@@ -491,6 +493,43 @@ async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
         same_64.send(&app).await.status(),
         StatusCode::TOO_MANY_REQUESTS,
         "one /64, one bucket"
+    );
+}
+
+#[tokio::test]
+async fn a_client_forwarded_header_passed_through_by_an_xff_proxy_is_ignored() {
+    // The default reads only X-Forwarded-For, what the proxy appends; a `Forwarded` header the
+    // client wrote itself (and the proxy passed through) cannot pick the client's address.
+    let limiter = memory_limiter(vec![rule("ip", 1)]);
+    let trusted = PeerIp::default().trust(TrustedProxies::new(["10.0.0.0/8"]).unwrap());
+    let app = app(RateLimitLayer::builder(limiter)
+        .peer_ip(trusted)
+        .build()
+        .unwrap());
+    let spoof = |n: u8| {
+        Req::get("/")
+            .peer([10, 0, 0, 5])
+            .header("forwarded", &format!("for=6.6.6.{n}"))
+            .header("x-forwarded-for", "198.51.100.9")
+    };
+    assert_eq!(spoof(1).send(&app).await.status(), StatusCode::OK);
+    assert_eq!(
+        spoof(2).send(&app).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn the_same_rule_and_key_twice_is_an_error() {
+    let limiter = memory_limiter(vec![rule("r", 5)]);
+    let k = fleetlimit::Key::new("k");
+    let err = limiter
+        .apply_to(fleetlimit::store::Op::Consume, &[("r", &k), ("r", &k)], 1)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, fleetlimit::Error::DuplicateTarget(_)),
+        "{err}"
     );
 }
 

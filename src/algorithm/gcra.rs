@@ -40,6 +40,7 @@ impl Gcra {
     }
 
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, cost: u64) {
+        let cost = cost.min(quota.burst());
         self.tat = self.tat.saturating_sub(cost * quota.emission_us()).max(now);
     }
 

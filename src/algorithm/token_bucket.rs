@@ -36,6 +36,8 @@ impl TokenBucket {
         let (scale, rate) = scale_and_rate(quota);
         let burst = quota.burst();
         let full = burst * scale;
+        // A state left by a rule with a larger burst is read as a full bucket.
+        self.units = self.units.min(full);
         // Refill, without multiplying a long idle time by the rate (it could overflow).
         let elapsed = now.saturating_sub(self.last);
         let missing = full - self.units;
@@ -68,6 +70,7 @@ impl TokenBucket {
 
     pub(crate) fn refund(&mut self, quota: &Quota, cost: u64) {
         let (scale, _) = scale_and_rate(quota);
+        let cost = cost.min(quota.burst());
         self.units = (self.units + cost * scale).min(quota.burst() * scale);
     }
 

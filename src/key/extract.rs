@@ -149,8 +149,7 @@ impl PeerIp {
         self
     }
 
-    /// Which forwarding header trusted proxies set (default: `Forwarded`, else
-    /// `X-Forwarded-For`).
+    /// Which forwarding header trusted proxies set (default: `X-Forwarded-For`).
     pub fn forwarded_header(mut self, header: ForwardedHeader) -> Self {
         self.header = header;
         self

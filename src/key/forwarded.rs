@@ -83,15 +83,18 @@ impl TrustedProxies {
     }
 }
 
-/// Which forwarding header(s) to read.
+/// Which forwarding header(s) to read: the one your proxies set. Read only that one: a proxy
+/// that appends `X-Forwarded-For` usually passes a client's own `Forwarded` header through
+/// untouched, and reading it would let the client choose its address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ForwardedHeader {
-    /// RFC 7239 `Forwarded` (the `for=` parameter) if present, else `X-Forwarded-For`.
-    #[default]
+    /// RFC 7239 `Forwarded` (the `for=` parameter) if present, else `X-Forwarded-For`: only for
+    /// proxies that set (or strip) both.
     Both,
     /// Only `Forwarded`.
     Forwarded,
-    /// Only `X-Forwarded-For`.
+    /// Only `X-Forwarded-For`, what most proxies and load balancers append. The default.
+    #[default]
     XForwardedFor,
 }
 

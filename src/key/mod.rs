@@ -24,6 +24,7 @@ const TAG_USER: u8 = b'k';
 const TAG_HASHED: u8 = b'h';
 const TAG_IP: u8 = b'i';
 const TAG_GLOBAL: u8 = b'g';
+const TAG_KEYLESS: u8 = b'n';
 
 /// What a limit counts against.
 ///
@@ -82,6 +83,12 @@ impl Key {
     /// The one key every request shares (a global limit).
     pub fn global() -> Key {
         Key(Bytes::from_static(&[TAG_GLOBAL]))
+    }
+
+    /// The one bucket shared by requests without a key (`MissingKey::Shared`); no user key
+    /// can equal it.
+    pub(crate) fn keyless() -> Key {
+        Key(Bytes::from_static(&[TAG_KEYLESS]))
     }
 
     /// The encoded key: a kind tag, then the user's bytes or a digest. Distinct keys have
@@ -176,6 +183,8 @@ mod tests {
 
     #[test]
     fn kinds_never_collide() {
+        assert_ne!(Key::new("fleetlimit:keyless"), Key::keyless());
+        assert_ne!(Key::global(), Key::keyless());
         let ip: IpAddr = "10.0.0.1".parse().unwrap();
         assert_ne!(Key::new("10.0.0.1"), Key::from(ip));
         assert_ne!(Key::new("g"), Key::global());

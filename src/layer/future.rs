@@ -12,7 +12,7 @@ use tower_service::Service;
 use super::layer::{Config, Targets};
 use super::{response, RateLimitInfo, ResponseBody};
 use crate::store::{BoxFuture, Op};
-use crate::{Decision, Error, Key, Rule};
+use crate::{Decision, Error, Key, Rule, Source};
 
 /// What was decided for one request, kept until the response is out.
 struct Verdict {
@@ -98,8 +98,9 @@ impl Verdict {
 
     /// The permits to give back for a response with this status, if any.
     fn refund(&self, status: StatusCode) -> Option<BoxFuture<'static, ()>> {
-        if !self.governing.allowed || self.would_deny {
-            return None; // nothing was taken
+        let counted = matches!(self.governing.source, Source::Store | Source::Lease);
+        if !self.governing.allowed || self.would_deny || !counted {
+            return None; // nothing was taken from the shared budget
         }
         let refunds: Vec<(usize, Key)> = self
             .targets

@@ -111,7 +111,7 @@ impl Config {
                 (Some(key), _) => targets.push((i, key)),
                 (None, MissingKey::Reject) => return Plan::NoKey,
                 (None, MissingKey::Skip) => {}
-                (None, MissingKey::Shared) => targets.push((i, Key::new("fleetlimit:keyless"))),
+                (None, MissingKey::Shared) => targets.push((i, Key::keyless())),
             }
         }
         if targets.is_empty() {

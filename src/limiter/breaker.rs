@@ -99,8 +99,17 @@ impl Breaker {
         let failures = self.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
         let reopen = now + config.cool_down.as_micros() as u64;
         if probe {
-            // Still down: wait another cool-down before the next probe.
-            self.open_until.store(reopen.max(1), Ordering::Release);
+            // Still down: wait another cool-down before the next probe (unless a call that
+            // overlapped the probe succeeded and closed the breaker meanwhile).
+            let until = self.open_until.load(Ordering::Acquire);
+            if until != 0 {
+                let _ = self.open_until.compare_exchange(
+                    until,
+                    reopen.max(1),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
             self.probing.store(false, Ordering::Release);
             return Transition::None;
         }
@@ -159,6 +168,23 @@ mod tests {
         b.failure(0, false, &c);
         assert_eq!(b.success(), Transition::None);
         assert_eq!(b.failure(0, false, &c), Transition::None);
+        assert_eq!(b.state(), BreakerState::Closed);
+    }
+
+    #[test]
+    fn a_failed_probe_does_not_reopen_a_breaker_a_success_closed() {
+        let c = BreakerConfig::default();
+        let b = Breaker::default();
+        for _ in 0..3 {
+            b.failure(0, false, &c);
+        }
+        assert_eq!(b.admit(300_000), Admission::Probe);
+        assert_eq!(
+            b.success(),
+            Transition::Closed,
+            "an overlapping call succeeded"
+        );
+        b.failure(300_000, true, &c);
         assert_eq!(b.state(), BreakerState::Closed);
     }
 

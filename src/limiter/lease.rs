@@ -138,8 +138,9 @@ struct Block {
     deadline: u64,
     /// Give back before this (µs, the store's clock).
     valid_until_store: u64,
-    /// The store refused the key until `deadline`: deny locally.
-    denied: Option<Decision>,
+    /// The store refused the key until `deadline` for requests costing at least `.1`: deny
+    /// those locally.
+    denied: Option<(Decision, u64)>,
     /// The shared state as last seen (after the grant).
     seen: Decision,
 }
@@ -345,14 +346,21 @@ impl Inner {
         let now = self.clock.now_us();
         let key: SlotKey = (index, check.key.clone());
         let leases = &self.leases;
-        if let Some(config) = leases.configs.get(index).copied().flatten() {
+        let leasable = check.cost <= check.rule.quota().capacity();
+        if let Some(config) = leases
+            .configs
+            .get(index)
+            .copied()
+            .flatten()
+            .filter(|_| leasable)
+        {
             let slot = leases.slots.load().get(&key).cloned();
             let slot = match slot {
                 Some(slot) => slot,
                 None if leases.slots.load().len() < MAX_LEASED_KEYS
                     && leases.promote(&config, &key, now) =>
                 {
-                    self.insert_slot(key.clone())
+                    self.insert_slot(key.clone(), now)
                 }
                 None => return Ok(self.remembered_denial(&key, check.cost, now)),
             };
@@ -370,11 +378,11 @@ impl Inner {
         self.leases.denials.as_ref()?.get(key, cost, now)
     }
 
-    fn insert_slot(&self, key: SlotKey) -> Arc<Slot> {
+    fn insert_slot(&self, key: SlotKey, now: u64) -> Arc<Slot> {
         let slot = Arc::new(Slot {
             block: ArcSwap::from_pointee(Block::empty()),
             refill: tokio::sync::Mutex::new(()),
-            last_used: AtomicU64::new(0),
+            last_used: AtomicU64::new(now),
             rate: RateMeter::default(),
         });
         let mut winner = slot.clone();
@@ -448,7 +456,7 @@ impl Inner {
             // Refused until a known time: refuse locally until then.
             (0, false, Some(retry)) => Block {
                 deadline: started + retry.as_micros() as u64,
-                denied: Some(d),
+                denied: Some((d, check.cost)),
                 ..Block::empty()
             },
             _ => Block {
@@ -529,7 +537,10 @@ fn spend(block: &Block, cost: u64, now: u64) -> Option<Decision> {
     if now >= block.deadline {
         return None;
     }
-    if let Some(mut denied) = block.denied {
+    if let Some((mut denied, denied_cost)) = block.denied {
+        if cost < denied_cost {
+            return None; // a smaller request may fit sooner: ask the store
+        }
         denied.retry_after = Some(Duration::from_micros(block.deadline - now));
         denied.source = Source::Cache;
         return Some(denied);
@@ -566,6 +577,17 @@ fn lease_decision(block: &Block, left: u64) -> Decision {
 /// Every 50 ms, give back the permits of leased keys that went quiet, and drop them from
 /// leased mode. Ends with the limiter.
 async fn sweep_idle(me: Weak<Inner>) {
+    /// Lets a later lease start the sweeper again if this task ends early (its runtime shut
+    /// down while the limiter lives on).
+    struct Restartable(Weak<Inner>);
+    impl Drop for Restartable {
+        fn drop(&mut self) {
+            if let Some(inner) = self.0.upgrade() {
+                inner.leases.sweeper.store(false, Ordering::Release);
+            }
+        }
+    }
+    let _restartable = Restartable(me.clone());
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     loop {
         tick.tick().await;
@@ -593,8 +615,11 @@ async fn sweep_idle(me: Weak<Inner>) {
         }
         inner.leases.slots.rcu(|map| {
             let mut map = HashMap::clone(map);
-            for (k, _) in &idle {
-                map.remove(k);
+            for (k, slot) in &idle {
+                // Only the slot we judged idle, not one inserted again since.
+                if map.get(k).is_some_and(|current| Arc::ptr_eq(current, slot)) {
+                    map.remove(k);
+                }
             }
             map
         });

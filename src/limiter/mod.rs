@@ -439,6 +439,11 @@ impl Limiter {
         targets: &[(&str, &Key)],
         cost: u64,
     ) -> Result<Vec<Decision>, Error> {
+        for (i, (name, key)) in targets.iter().enumerate() {
+            if targets[..i].iter().any(|(n, k)| n == name && k == key) {
+                return Err(Error::DuplicateTarget((*name).to_owned()));
+            }
+        }
         let rules = &self.inner.rules;
         let checks = targets
             .iter()
@@ -600,11 +605,12 @@ impl Inner {
             return Ok(self.store.apply(op, checks).await?);
         };
         let domain = self.store.failure_domain(checks);
+        // Measured from before the call, so a remembered denial never outlasts the store's.
+        let asked_at = self.clock.now_us();
         match self.call_store(domain, self.store.apply(op, checks)).await {
             Some(decisions) => {
                 if let (Some((index, check)), [d]) = (single, decisions.as_slice()) {
-                    self.leases
-                        .remember_denial(index, check, d, self.clock.now_us());
+                    self.leases.remember_denial(index, check, d, asked_at);
                 }
                 Ok(decisions)
             }

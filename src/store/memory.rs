@@ -586,6 +586,75 @@ mod tests {
     }
 
     #[test]
+    fn a_rule_reconfigured_with_a_smaller_bucket_never_panics() {
+        let clock = ManualClock::default();
+        let s = store(&clock, 100);
+        let big = Rule::new(
+            "r",
+            Quota::per_second(10)
+                .algorithm(Algorithm::TokenBucket)
+                .burst(10)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let small = Rule::new(
+            "r",
+            Quota::per_second(10)
+                .algorithm(Algorithm::TokenBucket)
+                .burst(2)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let k = Key::new("k");
+        s.apply_now(
+            Op::Consume,
+            &[Check {
+                rule: &big,
+                key: &k,
+                cost: 1,
+            }],
+        );
+        let d = s.apply_now(
+            Op::Consume,
+            &[Check {
+                rule: &small,
+                key: &k,
+                cost: 1,
+            }],
+        );
+        assert!(d[0].allowed && d[0].remaining <= 1);
+        // Absurd refunds are capped, not overflowed.
+        let d = s.apply_now(
+            Op::Refund,
+            &[Check {
+                rule: &small,
+                key: &k,
+                cost: u64::MAX,
+            }],
+        );
+        assert_eq!(d[0].remaining, 2);
+        let gcra = Rule::new(
+            "g",
+            Quota::per_day(1)
+                .algorithm(Algorithm::Gcra)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let d = s.apply_now(
+            Op::Refund,
+            &[Check {
+                rule: &gcra,
+                key: &k,
+                cost: 1 << 40,
+            }],
+        );
+        assert_eq!(d[0].remaining, 1);
+    }
+
+    #[test]
     fn expired_state_is_swept_and_key_count_is_bounded() {
         let clock = ManualClock::default();
         let s = store(&clock, 1_000);

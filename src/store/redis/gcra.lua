@@ -24,6 +24,7 @@ function gcra.commit(st, now, q, cost)
 end
 
 function gcra.refund(st, now, q, cost)
+  cost = math.min(cost, q.burst)
   st.tat = math.max(st.tat - cost * q.emission, now)
 end
 

@@ -394,13 +394,17 @@ impl Inner {
                 }
             }
         };
-        tokio::time::timeout(self.timeout, call)
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
-            .map_err(|e| match store_error(e) {
-                StoreError::Timeout(_) => StoreError::Timeout(self.timeout),
-                other => other,
-            })
+        let Ok(result) = tokio::time::timeout(self.timeout, call).await else {
+            // A connection that stopped answering is not reused: the next call takes a fresh one.
+            if let Conn::Pool { current, .. } = &self.conn {
+                *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            }
+            return Err(StoreError::Timeout(self.timeout));
+        };
+        result.map_err(|e| match store_error(e) {
+            StoreError::Timeout(_) => StoreError::Timeout(self.timeout),
+            other => other,
+        })
     }
 }
 

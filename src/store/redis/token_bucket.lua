@@ -14,6 +14,7 @@ end
 function token_bucket.decide(st, now, q, cost)
   local scale, rate, burst = q.token_units, q.refill_units, q.burst
   local full = burst * scale
+  st.units = math.min(st.units, full)
   local elapsed = math.max(now - st.last, 0)
   local missing = full - st.units
   if elapsed >= ceil_div(missing, rate) then
@@ -39,6 +40,7 @@ function token_bucket.commit(st, now, q, cost)
 end
 
 function token_bucket.refund(st, now, q, cost)
+  cost = math.min(cost, q.burst)
   st.units = math.min(st.units + cost * q.token_units, q.burst * q.token_units)
 end
 
