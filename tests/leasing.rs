@@ -279,3 +279,30 @@ async fn the_sliding_log_cannot_be_leased() {
         .unwrap_err();
     assert!(err.to_string().contains("sliding log"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_left_in_a_replaced_block_go_back() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(100, Duration::from_secs(60), Algorithm::FixedWindow);
+    let config = LeaseConfig::fixed(10)
+        .max_share(1.0)
+        .max_validity(Duration::from_secs(30));
+    let a = limiter(&server, &clock, hot.clone(), Some(config)).await;
+    let observer = limiter(&server, &clock, hot, None).await;
+    let key = Key::new("k");
+    assert!(a.consume(&key, 8).await.unwrap().allowed); // leases 10, keeps 2
+    assert!(a.consume(&key, 5).await.unwrap().allowed); // 2 < 5: leases 10 more, 2 go back
+    let started = std::time::Instant::now();
+    loop {
+        let remaining = observer.peek(&key).await.unwrap().remaining;
+        if remaining == 100 - 20 + 2 {
+            break;
+        }
+        assert!(
+            remaining == 80 && started.elapsed() < Duration::from_secs(5),
+            "{remaining}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -437,7 +437,8 @@ impl Inner {
                 seen: lease.state,
             };
             let decision = lease_decision(&block, left);
-            slot.block.store(Arc::new(block));
+            let old = slot.block.swap(Arc::new(block));
+            self.give_back_later(check, &old);
             return Ok(decision);
         }
         // Not enough for this request: keep what was granted for smaller ones, and let the
@@ -482,6 +483,29 @@ impl Inner {
             .await?
             .pop()
             .ok_or_else(|| Error::Store(StoreError::Protocol("no decision".into())))
+    }
+
+    /// A replaced block may still hold a few permits (fewer than the request needed): give them
+    /// back in the background rather than let them expire unused.
+    fn give_back_later(&self, check: &Check<'_>, old: &Block) {
+        let unspent = old.permits.swap(0, Ordering::AcqRel);
+        if unspent == 0 || self.clock.now_us() >= old.deadline {
+            return;
+        }
+        let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let (rule, key, until) = (check.rule.clone(), check.key.clone(), old.valid_until_store);
+        runtime.spawn(async move {
+            let check = Check {
+                rule: &rule,
+                key: &key,
+                cost: unspent,
+            };
+            let domain = me.store.failure_domain(std::slice::from_ref(&check));
+            let _ = me.call_store(domain, me.store.release(check, until)).await;
+        });
     }
 
     fn start_sweeper(&self) {
