@@ -20,6 +20,35 @@ pub enum Source {
     Policy,
 }
 
+/// Where an admitted request's permits were taken: the window they were counted in, the log
+/// entries they added, or when a bucket was debited. A refund goes through it, so it can only
+/// undo what is still outstanding there and never create a permit (see
+/// [`Limiter::refund`](crate::Limiter::refund)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Taken {
+    /// The algorithm's anchor (µs): the window's start, the log entries' timestamp, or the
+    /// moment a bucket was debited.
+    pub(crate) at: u64,
+    /// Permits taken.
+    pub(crate) cost: u64,
+}
+
+impl Taken {
+    /// How many permits were taken.
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+
+    /// The same place, for `cost` of its permits at most (the unspent part of a leased block,
+    /// say): never more than was taken.
+    pub fn part(self, cost: u64) -> Taken {
+        Taken {
+            cost: cost.min(self.cost),
+            ..self
+        }
+    }
+}
+
 /// One rule's verdict on one request, with everything the rate-limit headers need.
 ///
 /// Every field comes from the same atomic step of the store, so headers never mix two reads.
@@ -41,6 +70,9 @@ pub struct Decision {
     pub source: Source,
     /// True when the decision was made without the store (the outage policy decided).
     pub degraded: bool,
+    /// For an admission that took permits from the shared budget: where. `None` for denials,
+    /// peeks, and admissions that counted nothing (fail open).
+    pub(crate) taken: Option<Taken>,
 }
 
 impl Decision {
@@ -54,6 +86,7 @@ impl Decision {
             retry_after: None,
             source: Source::Store,
             degraded: false,
+            taken: None,
         }
     }
 
@@ -73,7 +106,15 @@ impl Decision {
             retry_after,
             source: Source::Store,
             degraded: false,
+            taken: None,
         }
+    }
+
+    /// For an admission that took permits from the shared budget: where, to give them back
+    /// through [`Store::refund`](crate::Store::refund) (once). [`Limiter`](crate::Limiter)
+    /// users get a [`Receipt`](crate::Receipt) instead, which cannot be refunded twice.
+    pub fn taken(&self) -> Option<Taken> {
+        self.taken
     }
 
     /// True for a denial that no amount of waiting can turn into an admission: the request's

@@ -111,4 +111,7 @@ pub enum Error {
     /// A cost of zero, or one that cannot be represented.
     #[error("invalid cost {0}: a cost must be at least 1")]
     InvalidCost(u64),
+    /// A receipt given to a limiter other than the one that issued it.
+    #[error("this receipt was issued by another limiter")]
+    ForeignReceipt,
 }

@@ -52,7 +52,7 @@ mod rule;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use decision::{Decision, Source};
+pub use decision::{Decision, Source, Taken};
 pub use error::{ConfigError, Error, StoreError};
 pub use key::{Key, KeyExtractor};
 pub use layer::{
@@ -60,7 +60,7 @@ pub use layer::{
 };
 pub use limiter::{
     BreakerConfig, BreakerState, InfallibleStore, LeaseConfig, Limiter, LimiterBuilder,
-    LimiterStats, OnStoreError, PolicyUnset, DEFAULT_DEADLINE,
+    LimiterStats, OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE,
 };
 pub use quota::{Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_PERIOD};
 pub use rule::Rule;

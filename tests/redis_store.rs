@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleetlimit::store::{Check, Op, RedisStore, Store};
-use fleetlimit::{Algorithm, Decision, Key, ManualClock, MemoryStore, Quota, Rule};
+use fleetlimit::store::{Check, Op, RedisStore, Refund, Store};
+use fleetlimit::{Algorithm, Decision, Key, ManualClock, MemoryStore, Quota, Rule, Taken};
 use support::redis::{RedisCluster, RedisServer, RespValue};
 
 /// A store with a deadline generous enough for a loaded 2-core CI machine.
@@ -47,35 +47,56 @@ fn rule(
     Rule::new(name, q.build().unwrap()).unwrap()
 }
 
-/// Random quotas for one algorithm. Periods are long (≥ 10 s) so that Redis's real-time TTLs
-/// never expire a key while the logical clock stands still.
-fn random_rules(rng: &mut Rng, algorithm: Algorithm) -> Vec<Rule> {
-    (0..2)
-        .map(|i| {
-            let limit = 1 + rng.below(12);
-            let period = Duration::from_millis(10_000 + rng.below(50_000));
-            let burst = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra)
-                .then(|| 1 + rng.below(12));
-            rule(
-                &format!("{}-{i}", algorithm.name()),
-                algorithm,
-                limit,
-                period,
-                burst,
-            )
-        })
-        .collect()
+/// A random quota for one algorithm, named `name`: mostly small, sometimes large (where Lua's
+/// doubles must stay exact). Periods are long (≥ 10 s) so that Redis's real-time TTLs never
+/// expire a key while the logical clock stands still.
+fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str) -> Rule {
+    loop {
+        let large = rng.below(4) == 0 && algorithm != Algorithm::SlidingLog;
+        let limit = if large {
+            1 + rng.below(2_000_000_000)
+        } else {
+            1 + rng.below(12)
+        };
+        let period = Duration::from_millis(10_000 + rng.below(50_000));
+        let burst = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra).then(|| {
+            if large {
+                1 + rng.below(limit)
+            } else {
+                1 + rng.below(12)
+            }
+        });
+        let mut q = Quota::new(limit, period).algorithm(algorithm);
+        if let Some(b) = burst {
+            q = q.burst(b);
+        }
+        // Some large combinations are out of the exact range: draw again.
+        if let Ok(q) = q.build() {
+            return Rule::new(name, q).unwrap();
+        }
+    }
 }
 
-/// The same random sequence of (op, key, cost, time) through the memory store and the Redis
-/// store (both on one manual clock) must give identical decisions, field by field.
+/// The same random sequence of consumes, peeks, refunds by receipt, leases and give-backs, quota
+/// changes and clock moves through the memory store and the Redis store (both on one manual
+/// clock) must give identical decisions, field by field (receipts included).
 async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: usize) {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let mut rng = Rng(seed);
     let keys: Vec<Key> = (0..4).map(|i| Key::new(format!("k{i}:{{x}}"))).collect();
+    let mut quota_changes = 0;
+    let mut refunds = 0;
     for algorithm in Algorithm::ALL {
-        let rules = random_rules(&mut rng, algorithm);
-        let mut leases: Vec<(usize, Key, u64)> = Vec::new();
+        let names = [
+            format!("{}-0", algorithm.name()),
+            format!("{}-1", algorithm.name()),
+        ];
+        let mut rules: Vec<Rule> = names
+            .iter()
+            .map(|n| random_rule(&mut rng, algorithm, n))
+            .collect();
+        // Receipts of admissions and leases: (rule, key, where taken).
+        let mut receipts: Vec<(usize, Key, Taken)> = Vec::new();
         for step in 0..steps {
             // Mostly small steps, sometimes across windows.
             let gap = match rng.below(10) {
@@ -84,45 +105,77 @@ async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: u
                 _ => rng.below(70_000_000),
             };
             clock.advance(Duration::from_micros(gap));
-            let op = match rng.below(12) {
+            let op = match rng.below(14) {
                 0 => Op::Peek,
-                1 => Op::Refund,
-                // Leases and releases of leases, for the algorithms that can be leased.
-                10 | 11 if algorithm != Algorithm::SlidingLog => {
-                    let rule = &rules[step % 2];
+                // A rule's quota changes (a deploy, a live change): both stores read the old
+                // state under the new quota.
+                1 => {
+                    let i = step % 2;
+                    rules[i] = random_rule(&mut rng, algorithm, &names[i]);
+                    if std::env::var_os("TRACE").is_some() {
+                        eprintln!("{step} +{gap} quota {} {:?}", names[i], rules[i].quota());
+                    }
+                    quota_changes += 1;
+                    continue;
+                }
+                // A refund by receipt, possibly windows or refills later.
+                2 | 3 => {
+                    if receipts.is_empty() {
+                        continue;
+                    }
+                    let (r, key, taken) =
+                        receipts.swap_remove(rng.below(receipts.len() as u64) as usize);
+                    let refund = [Refund {
+                        rule: &rules[r],
+                        key: &key,
+                        taken,
+                    }];
+                    let expected = memory.refund(&refund).await.unwrap();
+                    let got = redis.refund(&refund).await.unwrap();
+                    if std::env::var_os("TRACE").is_some() {
+                        eprintln!(
+                            "{step} +{gap} refund {} {key:?} {taken:?} -> {expected:?}",
+                            rules[r].name()
+                        );
+                    }
+                    assert_eq!(got, expected, "{algorithm} step {step}: refund");
+                    refunds += 1;
+                    continue;
+                }
+                // Leases, for the algorithms that can be leased; their receipts give back.
+                12 | 13 if algorithm != Algorithm::SlidingLog => {
+                    let r = step % 2;
                     let key = &keys[rng.below(keys.len() as u64) as usize];
-                    if rng.below(2) == 0 {
-                        let check = Check {
-                            rule,
-                            key,
-                            cost: 1 + rng.below(8),
-                        };
-                        let validity = Duration::from_micros(rng.below(20_000_000));
-                        let expected = memory.lease(check, validity).await.unwrap();
-                        let got = redis.lease(check, validity).await.unwrap();
-                        assert_eq!(got, expected, "{algorithm} step {step}: lease");
-                        leases.push((step % 2, key.clone(), expected.valid_until_us));
-                    } else if let Some((r, key, until)) = leases.pop() {
-                        let check = Check {
-                            rule: &rules[r],
-                            key: &key,
-                            cost: 1 + rng.below(4),
-                        };
-                        let expected = memory.release(check, until).await.unwrap();
-                        let got = redis.release(check, until).await.unwrap();
-                        assert_eq!(got, expected, "{algorithm} step {step}: release");
+                    let check = Check {
+                        rule: &rules[r],
+                        key,
+                        cost: 1 + rng.below(8),
+                    };
+                    let validity = Duration::from_micros(rng.below(20_000_000));
+                    let expected = memory.lease(check, validity).await.unwrap();
+                    let got = redis.lease(check, validity).await.unwrap();
+                    assert_eq!(got, expected, "{algorithm} step {step}: lease");
+                    if expected.permits > 0 {
+                        let unspent = 1 + rng.below(expected.permits);
+                        receipts.push((r, key.clone(), expected.taken.part(unspent)));
                     }
                     continue;
                 }
                 _ => Op::Consume,
             };
+            let key = &keys[rng.below(keys.len() as u64) as usize];
+            let other = &keys[rng.below(keys.len() as u64) as usize];
+            let r = step % 2;
+            let capacity = rules[r]
+                .quota()
+                .capacity()
+                .min(rules[1 - r].quota().capacity());
             let cost = match rng.below(10) {
                 0 => 1 + rng.below(20),
                 1..=3 => 1 + rng.below(4),
+                4 => 1 + rng.below(capacity),
                 _ => 1,
             };
-            let key = &keys[rng.below(keys.len() as u64) as usize];
-            let other = &keys[rng.below(keys.len() as u64) as usize];
             // Sometimes one rule, sometimes both (all-or-nothing), on different keys.
             let checks: Vec<Check<'_>> = if rng.below(3) == 0 {
                 vec![
@@ -139,21 +192,50 @@ async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: u
                 ]
             } else {
                 vec![Check {
-                    rule: &rules[step % 2],
+                    rule: &rules[r],
                     key,
                     cost,
                 }]
             };
             let expected = memory.apply(op, &checks).await.unwrap();
             let got = redis.apply(op, &checks).await.unwrap();
+            if std::env::var_os("TRACE").is_some() {
+                eprintln!(
+                    "{step} +{gap} {op:?} {:?} -> {expected:?}",
+                    checks
+                        .iter()
+                        .map(|c| (
+                            c.rule.name(),
+                            c.rule.quota().limit(),
+                            c.rule.quota().period(),
+                            c.key.clone(),
+                            c.cost
+                        ))
+                        .collect::<Vec<_>>()
+                );
+            }
             assert_eq!(
                 got,
                 expected,
                 "{algorithm} step {step}: {op:?} cost {cost} on {} check(s)",
                 checks.len()
             );
+            for (c, d) in checks.iter().zip(&expected) {
+                if let (true, Some(taken)) = (d.allowed, d.taken()) {
+                    let i = if std::ptr::eq(c.rule, &rules[0]) {
+                        0
+                    } else {
+                        1
+                    };
+                    receipts.push((i, c.key.clone(), taken));
+                }
+            }
         }
     }
+    assert!(
+        quota_changes > 20 && refunds > 50,
+        "{quota_changes} quota changes, {refunds} refunds"
+    );
 }
 
 #[tokio::test]
@@ -495,11 +577,12 @@ async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
         (rule("gc", Algorithm::Gcra, 5, p, Some(5)), 2_000 * 3),
     ];
     // A load over many keys.
+    let mut receipts = Vec::new();
     for i in 0..200 {
         let k = Key::new(format!("user-{i}"));
         for (r, _) in &rules {
             for _ in 0..3 {
-                store
+                let d = store
                     .apply(
                         Op::Consume,
                         &[Check {
@@ -510,6 +593,9 @@ async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
                     )
                     .await
                     .unwrap();
+                if i == 0 {
+                    receipts.push(d[0].taken().unwrap());
+                }
             }
         }
     }
@@ -534,18 +620,16 @@ async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
         );
     }
     // Giving everything back leaves nothing that matters: the key is gone at once.
-    for (r, _) in &rules {
-        store
-            .apply(
-                Op::Refund,
-                &[Check {
-                    rule: r,
-                    key: &k,
-                    cost: 3,
-                }],
-            )
-            .await
-            .unwrap();
+    for (j, (r, _)) in rules.iter().enumerate() {
+        let refunds: Vec<Refund<'_>> = receipts[3 * j..3 * j + 3]
+            .iter()
+            .map(|&taken| Refund {
+                rule: r,
+                key: &k,
+                taken,
+            })
+            .collect();
+        store.refund(&refunds).await.unwrap();
         let exists = server
             .cmd_bytes(&[b"EXISTS", &store.key_for(r, &k)])
             .unwrap();

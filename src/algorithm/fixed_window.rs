@@ -3,9 +3,16 @@
 //! Promise: at most `limit` permits in each aligned window `[k·period, (k+1)·period)`. A burst
 //! at the end of one window and the start of the next can admit up to `2 × limit` within one
 //! period: that is the price of one counter.
+//!
+//! Refunds: a receipt names the window it was counted in, and gives its permits back only while
+//! that window is still the current one (afterwards they were never going to be counted again).
+//!
+//! Quota changes: a new limit reads the used count as it is, so while two limits write one key
+//! the count never passes the larger. A new period carries the used count into the new aligned
+//! window if the old window is still open (never fewer counted than before), else starts afresh.
 
 use super::{never, us};
-use crate::{Decision, Quota};
+use crate::{Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct FixedWindow {
@@ -13,6 +20,8 @@ pub(crate) struct FixedWindow {
     pub(crate) start: u64,
     /// Permits taken in that window.
     pub(crate) count: u64,
+    /// The period (µs) the window was aligned to; 0 for a fresh state.
+    pub(crate) period: u64,
 }
 
 impl FixedWindow {
@@ -20,6 +29,13 @@ impl FixedWindow {
         let period = quota.period_us();
         let limit = quota.limit();
         let window = now - now % period;
+        if self.period != period {
+            if now >= self.start + self.period {
+                self.count = 0;
+            }
+            self.start = window;
+            self.period = period;
+        }
         // A clock that stepped back stays in the newer window.
         if window > self.start {
             self.start = window;
@@ -40,12 +56,18 @@ impl FixedWindow {
         }
     }
 
-    pub(crate) fn commit(&mut self, cost: u64) {
+    pub(crate) fn commit(&mut self, cost: u64) -> Taken {
         self.count += cost;
+        Taken {
+            at: self.start,
+            cost,
+        }
     }
 
-    pub(crate) fn refund(&mut self, cost: u64) {
-        self.count = self.count.saturating_sub(cost);
+    pub(crate) fn refund(&mut self, taken: Taken) {
+        if taken.at == self.start {
+            self.count = self.count.saturating_sub(taken.cost);
+        }
     }
 
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
@@ -106,13 +128,50 @@ mod tests {
     }
 
     #[test]
-    fn refund_gives_back() {
+    fn refund_gives_back_within_its_window() {
         let q = quota(2, 1000);
         let mut s = Sim::new(&q, T0);
-        assert!(s.consume(2).allowed);
-        s.refund(1);
+        s.consume(1);
+        let first = s.last_taken();
+        assert!(s.consume(1).allowed);
+        s.refund(first);
         assert!(s.consume(1).allowed);
         assert!(!s.consume(1).allowed);
+    }
+
+    /// The soundness issue's first scenario: a request counted at 0.999 s and refunded in the
+    /// next window must not give that window a fourth permit.
+    #[test]
+    fn refund_across_a_window_boundary_gives_nothing() {
+        let q = quota(3, 1000);
+        let mut s = Sim::new(&q, T0 + 999_000);
+        assert!(s.consume(1).allowed);
+        let early = s.last_taken();
+        s.advance_ms(1);
+        for left in [2, 1, 0] {
+            assert_eq!(s.consume(1).remaining, left);
+        }
+        s.refund(early);
+        s.advance_us(20);
+        assert!(!s.consume(1).allowed, "4 admitted in the second window");
+    }
+
+    #[test]
+    fn a_new_limit_reads_the_used_count_and_a_new_period_carries_it() {
+        let q = quota(10, 1000);
+        let mut s = Sim::new(&q, T0);
+        assert!(s.consume(8).allowed);
+        let smaller = quota(5, 1000);
+        assert!(!s.with_quota(&smaller).consume(1).allowed);
+        let longer = quota(10, 60_000);
+        let mut l = s.with_quota(&longer);
+        assert_eq!(
+            l.peek().remaining,
+            2,
+            "the open window's count carries over"
+        );
+        l.advance_ms(60_000);
+        assert_eq!(l.peek().remaining, 10);
     }
 
     proptest! {

@@ -6,14 +6,24 @@
 //! TAT lies at most `burst × T` ahead of now.
 //!
 //! Promise: never more than `burst + t / T` permits in any interval of length `t`.
+//!
+//! Refunds: as for the token bucket, a receipt names when the TAT was moved. Had the request
+//! never come, the TAT would be `cost × T` earlier, less the time since (a TAT never falls
+//! behind now), so a refund moves it back by `cost × T − elapsed` at most, never before now.
+//!
+//! Quota changes: the state records its emission interval. A TAT written under another interval
+//! is converted to the same number of permits used (`ahead × T_new / T_old`, rounded up, capped
+//! at the new burst), so two quotas writing one key never admit more than the larger burst.
 
-use super::{never, us};
-use crate::{Decision, Quota};
+use super::{never, rescale_ceil, us};
+use crate::{Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Gcra {
     /// The theoretical arrival time (µs); in the past means a full burst is available.
     pub(crate) tat: u64,
+    /// The emission interval (µs) the TAT was written under; 0 for a fresh state.
+    pub(crate) emission: u64,
 }
 
 impl Gcra {
@@ -21,6 +31,12 @@ impl Gcra {
         let t = quota.emission_us();
         let burst = quota.burst();
         let horizon = burst * t;
+        if self.emission != t {
+            if self.tat > now && self.emission != 0 {
+                self.tat = now + rescale_ceil(self.tat - now, self.emission, t, horizon);
+            }
+            self.emission = t;
+        }
         let tat = self.tat.max(now);
         let ahead = tat - now;
         let remaining = horizon.saturating_sub(ahead) / t;
@@ -35,13 +51,18 @@ impl Gcra {
         }
     }
 
-    pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) {
+    pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) -> Taken {
         self.tat = self.tat.max(now) + cost * quota.emission_us();
+        Taken { at: now, cost }
     }
 
-    pub(crate) fn refund(&mut self, now: u64, quota: &Quota, cost: u64) {
-        let cost = cost.min(quota.burst());
-        self.tat = self.tat.saturating_sub(cost * quota.emission_us()).max(now);
+    pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {
+        let debt = taken.cost.min(quota.burst()) * quota.emission_us();
+        let elapsed = now.saturating_sub(taken.at);
+        if elapsed >= debt {
+            return;
+        }
+        self.tat = self.tat.saturating_sub(debt - elapsed).max(now);
     }
 
     pub(crate) fn expires_at(&self) -> u64 {
@@ -82,10 +103,41 @@ mod tests {
         let q = quota(10, 1000, 3);
         let mut s = Sim::new(&q, T0);
         assert!(s.consume(3).allowed);
-        s.refund(1);
+        let three = s.last_taken();
+        s.refund(three.part(1));
         assert_eq!(s.peek().remaining, 1);
-        s.refund(10);
+        s.refund(three);
         assert_eq!(s.peek().remaining, 3);
+    }
+
+    #[test]
+    fn refund_after_refill_gives_nothing() {
+        let q = quota(10, 1000, 10); // T = 100 ms
+        let mut s = Sim::new(&q, T0);
+        s.consume(1);
+        let x = s.last_taken();
+        s.advance_ms(200);
+        for _ in 0..10 {
+            assert!(s.consume(1).allowed);
+        }
+        s.refund(x);
+        assert!(!s.consume(1).allowed, "11 in zero time");
+    }
+
+    #[test]
+    fn a_new_interval_reads_permits_used_not_time() {
+        let fast = quota(20, 1000, 10); // T = 50 ms
+        let mut s = Sim::new(&fast, T0);
+        assert!(s.consume(10).allowed);
+        // T = 100 ms: read as time, the TAT 500 ms ahead would be 5 permits used of 10.
+        let slow = quota(10, 1000, 10);
+        let mut l = s.with_quota(&slow);
+        assert_eq!(l.peek().remaining, 0, "ten used, ten the burst");
+        let mut total = 0;
+        for _ in 0..30 {
+            total += u64::from(l.consume(1).allowed);
+        }
+        assert_eq!(total, 0, "admitted on top of the other quota's burst");
     }
 
     proptest! {

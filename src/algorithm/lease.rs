@@ -13,8 +13,12 @@
 //!
 //! The sliding window log cannot be leased: its promise rests on each permit's own timestamp.
 
+//!
+//! Unspent permits go back through the block's receipt, as any refund: a window's permits while
+//! that window lasts, a bucket's as far as it has not refilled them since the grant.
+
 use super::State;
-use crate::Quota;
+use crate::{Quota, Taken};
 
 /// What a lease granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +26,8 @@ pub(crate) struct Granted {
     pub(crate) permits: u64,
     /// Until when they may be spent (µs, the store's clock).
     pub(crate) valid_until: u64,
+    /// Where they were taken: give unspent ones back through it.
+    pub(crate) taken: Taken,
 }
 
 impl State {
@@ -48,6 +54,10 @@ impl State {
                 Granted {
                     permits,
                     valid_until: until.min(s.start + quota.period_us()),
+                    taken: Taken {
+                        at: s.start,
+                        cost: permits,
+                    },
                 }
             }
             State::SlidingWindow(s) => {
@@ -60,15 +70,21 @@ impl State {
                 Granted {
                     permits,
                     valid_until: until.min(s.start + quota.period_us()),
+                    taken: Taken {
+                        at: s.start,
+                        cost: permits,
+                    },
                 }
             }
             State::TokenBucket(s) => {
-                let scale = quota.token_units();
-                let permits = max.min(s.units / scale);
-                s.units -= permits * scale;
+                let permits = s.take_up_to(quota, max);
                 Granted {
                     permits,
                     valid_until: until,
+                    taken: Taken {
+                        at: s.last,
+                        cost: permits,
+                    },
                 }
             }
             State::Gcra(s) => {
@@ -80,6 +96,10 @@ impl State {
                 Granted {
                     permits,
                     valid_until: until,
+                    taken: Taken {
+                        at: now,
+                        cost: permits,
+                    },
                 }
             }
             State::SlidingLog(_) => return None,
@@ -87,13 +107,11 @@ impl State {
         Some(granted)
     }
 
-    /// Give back `unspent` permits of a lease valid until `valid_until`; nothing once it has
-    /// expired (its window is over, or the bucket has refilled them anyway).
-    pub(crate) fn release(&mut self, now: u64, quota: &Quota, unspent: u64, valid_until: u64) {
+    /// Give back `unspent` permits of a block granted as `taken`.
+    #[cfg(test)]
+    pub(crate) fn release(&mut self, now: u64, quota: &Quota, taken: Taken, unspent: u64) {
         self.decide(now, quota, 1);
-        if now < valid_until {
-            self.refund(now, quota, unspent);
-        }
+        self.refund(now, quota, taken.part(unspent));
     }
 }
 
@@ -118,11 +136,22 @@ mod tests {
             !s.consume(1).allowed,
             "leased permits are taken from the shared budget"
         );
-        s.state.release(s.now, &q, 3, g.valid_until);
+        s.state.release(s.now, &q, g.taken, 3);
         assert_eq!(s.peek().remaining, 3, "unspent permits come back");
-        s.state.release(T0 + 960_000, &q, 3, g.valid_until);
+        s.state.release(T0 + 960_000, &q, g.taken, 3);
         s.now = T0 + 960_000;
-        assert_eq!(s.peek().remaining, 3, "an expired lease gives nothing back");
+        assert_eq!(
+            s.peek().remaining,
+            6,
+            "a window's permits come back until the window ends, past the block's validity"
+        );
+        s.now = T0 + 1_000_000;
+        s.state.release(s.now, &q, g.taken, 3);
+        assert_eq!(
+            s.peek().remaining,
+            10,
+            "nothing owed to a window that is over"
+        );
     }
 
     #[test]
@@ -135,7 +164,7 @@ mod tests {
             let g = s.state.lease(s.now, &q, 100, 100_000).unwrap();
             assert_eq!(g.permits, 6, "{algorithm}");
             assert_eq!(s.peek().remaining, 0);
-            s.state.release(s.now, &q, 6, g.valid_until);
+            s.state.release(s.now, &q, g.taken, 6);
             assert_eq!(s.peek().remaining, 6, "{algorithm}");
         }
     }
@@ -155,7 +184,8 @@ mod tests {
     /// beside direct consumes and early releases: returns every real admission (time, 1).
     fn fleet_admissions(q: &crate::Quota, events: &[(u64, u8, u64)]) -> Vec<(u64, u64)> {
         let mut s = Sim::new(q, T0 + 7_777);
-        let mut blocks: [(u64, u64); 3] = [(0, 0); 3]; // (permits, valid_until)
+        // (permits, valid_until, receipt)
+        let mut blocks: [(u64, u64, Option<crate::Taken>); 3] = [(0, 0, None); 3];
         let mut admitted = Vec::new();
         for &(gap, action, arg) in events {
             s.advance_us(gap);
@@ -166,11 +196,11 @@ mod tests {
                         s.state
                             .lease(s.now, q, 1 + arg % 7, 1 + arg.wrapping_mul(7_919) % 400_000)
                     {
-                        blocks[p] = (g.permits, g.valid_until);
+                        blocks[p] = (g.permits, g.valid_until, Some(g.taken));
                     }
                 }
                 1 => {
-                    let (permits, until) = blocks[p];
+                    let (permits, until, _) = blocks[p];
                     if permits > 0 && s.now < until {
                         blocks[p].0 -= 1;
                         admitted.push((s.now, 1));
@@ -182,9 +212,10 @@ mod tests {
                     }
                 }
                 _ => {
-                    let (permits, until) = blocks[p];
-                    s.state.release(s.now, q, permits, until);
-                    blocks[p] = (0, 0);
+                    if let (permits, _, Some(taken)) = blocks[p] {
+                        s.state.release(s.now, q, taken, permits);
+                    }
+                    blocks[p] = (0, 0, None);
                 }
             }
         }

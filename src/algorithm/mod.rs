@@ -10,14 +10,16 @@
 //! Each state type has the same four steps:
 //! - `decide`: bring the state up to `now` (a change that alters no future decision) and say
 //!   whether `cost` permits fit. `remaining` is counted as if they were taken.
-//! - `commit`: take them; call only after an admitting `decide` at the same `now`.
-//! - `refund`: give permits back, where the algorithm allows it.
+//! - `commit`: take them; call only after an admitting `decide` at the same `now`. Returns where
+//!   they were taken (the receipt's contents).
+//! - `refund`: give back what a receipt took, only as far as it is still outstanding: never more
+//!   than the state would hold had the request never come.
 //! - `expires_at`: from when the state is indistinguishable from a fresh one, so it can be
 //!   dropped.
 
 use std::time::Duration;
 
-use crate::{Algorithm, Decision, Quota};
+use crate::{Algorithm, Decision, Quota, Taken};
 
 pub(crate) mod fixed_window;
 pub(crate) mod gcra;
@@ -67,6 +69,17 @@ impl State {
         )
     }
 
+    /// Whether `decide` would convert this state, written under another quota.
+    pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
+        match self {
+            State::FixedWindow(s) => s.period != 0 && s.period != quota.period_us(),
+            State::SlidingWindow(s) => s.period != 0 && s.period != quota.period_us(),
+            State::TokenBucket(s) => s.scale != quota.token_units(),
+            State::Gcra(s) => s.emission != 0 && s.emission != quota.emission_us() && s.tat > now,
+            State::SlidingLog(_) => false,
+        }
+    }
+
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         match self {
             State::FixedWindow(s) => s.decide(now, quota, cost),
@@ -77,7 +90,7 @@ impl State {
         }
     }
 
-    pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) {
+    pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) -> Taken {
         match self {
             State::FixedWindow(s) => s.commit(cost),
             State::SlidingLog(s) => s.commit(now, cost),
@@ -87,13 +100,14 @@ impl State {
         }
     }
 
-    pub(crate) fn refund(&mut self, now: u64, quota: &Quota, cost: u64) {
+    /// Undo what `taken` took, as far as it is still outstanding. Call after a `decide` at `now`.
+    pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {
         match self {
-            State::FixedWindow(s) => s.refund(cost),
-            State::SlidingLog(s) => s.refund(cost),
-            State::SlidingWindow(s) => s.refund(cost),
-            State::TokenBucket(s) => s.refund(quota, cost),
-            State::Gcra(s) => s.refund(now, quota, cost),
+            State::FixedWindow(s) => s.refund(taken),
+            State::SlidingLog(s) => s.refund(taken),
+            State::SlidingWindow(s) => s.refund(taken),
+            State::TokenBucket(s) => s.refund(now, quota, taken),
+            State::Gcra(s) => s.refund(now, quota, taken),
         }
     }
 
@@ -116,6 +130,23 @@ pub(crate) fn us(micros: u64) -> Duration {
 /// `ceil(a / b)` for `b > 0`.
 pub(crate) fn div_ceil(a: u64, b: u64) -> u64 {
     a.div_ceil(b)
+}
+
+/// `value × to / from`, rounded up and then one more, at most `cap` (≤ 2^50); 0 stays 0: a
+/// quantity used (a bucket's missing units, a TAT's lead) read in another scale, never less
+/// than it was. Computed in doubles exactly as the Lua twin computes it
+/// (`math.min(math.ceil(value * to / from) + 1, cap)`): the product may pass 2^53, and the result
+/// is within ¼ of the exact quotient, so one more is never below it.
+pub(crate) fn rescale_ceil(value: u64, from: u64, to: u64, cap: u64) -> u64 {
+    if value == 0 || from == 0 || from == to {
+        return value.min(cap);
+    }
+    let x = (value as f64 * to as f64 / from as f64).ceil() + 1.0;
+    if x >= cap as f64 {
+        cap
+    } else {
+        x as u64
+    }
 }
 
 /// The decision for a cost the quota can never admit, however long one waits.

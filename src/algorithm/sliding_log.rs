@@ -3,11 +3,19 @@
 //! Promise: exact. At most `limit` permits in every window `(t - period, t]`. The price is
 //! state: one entry per admitted permit, so a quota's limit is capped (see
 //! [`QuotaBuilder::max_log_len`](crate::QuotaBuilder::max_log_len)).
+//!
+//! Refunds: a receipt names the timestamp of the entries its request added; a refund removes
+//! entries of that timestamp only (never another request's), so the log is what it would be had
+//! the request never come.
+//!
+//! Quota changes: entries are timestamps, so a new limit or period reads them as they are. A
+//! longer period cannot see entries the shorter one already dropped: the promise under the new
+//! period holds from one new period after the change.
 
 use std::collections::VecDeque;
 
 use super::{never, us};
-use crate::{Decision, Quota};
+use crate::{Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct SlidingLog {
@@ -46,14 +54,18 @@ impl SlidingLog {
         }
     }
 
-    pub(crate) fn commit(&mut self, now: u64, cost: u64) {
+    pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         let now = self.effective_now(now);
         self.entries.extend(std::iter::repeat_n(now, cost as usize));
+        Taken { at: now, cost }
     }
 
-    pub(crate) fn refund(&mut self, cost: u64) {
-        let keep = self.entries.len().saturating_sub(cost as usize);
-        self.entries.truncate(keep);
+    pub(crate) fn refund(&mut self, taken: Taken) {
+        // Entries are sorted: those of one timestamp stand together.
+        let end = self.entries.partition_point(|&ts| ts <= taken.at);
+        let start = self.entries.partition_point(|&ts| ts < taken.at);
+        let n = (end - start).min(usize::try_from(taken.cost).unwrap_or(usize::MAX));
+        self.entries.drain(end - n..end);
     }
 
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
@@ -103,12 +115,29 @@ mod tests {
     }
 
     #[test]
-    fn refund_removes_newest() {
+    fn refund_removes_its_own_entries() {
         let q = quota(2, 100);
         let mut s = Sim::new(&q, T0);
         assert!(s.consume(2).allowed);
-        s.refund(2);
+        let both = s.last_taken();
+        s.refund(both);
         assert_eq!(s.peek().remaining, 2);
+    }
+
+    /// The soundness issue's sliding-log scenario: refunding A must remove A, not B.
+    #[test]
+    fn refund_of_an_older_request_keeps_the_newer_one() {
+        let q = quota(2, 1000);
+        let mut s = Sim::new(&q, T0);
+        s.consume(1);
+        let a = s.last_taken();
+        s.advance_ms(500);
+        assert!(s.consume(1).allowed);
+        s.advance_ms(100);
+        s.refund(a);
+        s.advance_ms(400);
+        assert!(s.consume(1).allowed, "C at 1.0 s");
+        assert!(!s.consume(1).allowed, "D at 1.0 s: B and C are in (0, 1]");
     }
 
     proptest! {

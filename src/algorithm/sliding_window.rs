@@ -8,9 +8,18 @@
 //! Promise: the estimate never exceeds the limit. The estimate assumes the previous window's
 //! permits were spread evenly, so against the exact log it can admit a little more or a little
 //! less; the README reports the measured disagreement (`cargo run --release --example accuracy`).
+//!
+//! Refunds: a receipt names the window its permits were counted in; they are taken off that
+//! window's count while it is still the current or the previous one (the estimate is then what
+//! it would be had the request never come), and nothing is given back after that.
+//!
+//! Quota changes: a new limit reads both counts as they are, so the estimate never passes the
+//! larger limit while two limits write one key. A new period moves every permit still counted
+//! into the current window of the new alignment: conservative (it may refuse a little longer than
+//! either quota would), never more permissive.
 
 use super::{never, us};
-use crate::{Decision, Quota};
+use crate::{Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct SlidingWindow {
@@ -20,6 +29,8 @@ pub(crate) struct SlidingWindow {
     pub(crate) previous: u64,
     /// Permits taken in the current window.
     pub(crate) current: u64,
+    /// The period (µs) the windows were aligned to; 0 for a fresh state.
+    pub(crate) period: u64,
 }
 
 impl SlidingWindow {
@@ -28,6 +39,25 @@ impl SlidingWindow {
         let p_ms = period / 1000;
         let limit = quota.limit();
         let window = now - now % period;
+        if self.period != period {
+            let old = self.period;
+            let previous = if now < self.start + old {
+                self.previous
+            } else {
+                0
+            };
+            let current = if now < self.start + 2 * old {
+                self.current
+            } else {
+                0
+            };
+            *self = SlidingWindow {
+                start: window,
+                previous: 0,
+                current: previous + current,
+                period,
+            };
+        }
         // A clock that stepped back stays in the newer window.
         if window > self.start {
             self.previous = if window == self.start + period {
@@ -91,12 +121,20 @@ impl SlidingWindow {
         empty_from.saturating_sub(now)
     }
 
-    pub(crate) fn commit(&mut self, cost: u64) {
+    pub(crate) fn commit(&mut self, cost: u64) -> Taken {
         self.current += cost;
+        Taken {
+            at: self.start,
+            cost,
+        }
     }
 
-    pub(crate) fn refund(&mut self, cost: u64) {
-        self.current = self.current.saturating_sub(cost);
+    pub(crate) fn refund(&mut self, taken: Taken) {
+        if taken.at == self.start {
+            self.current = self.current.saturating_sub(taken.cost);
+        } else if taken.at + self.period == self.start {
+            self.previous = self.previous.saturating_sub(taken.cost);
+        }
     }
 
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
@@ -152,6 +190,40 @@ mod tests {
         assert_eq!(d.retry_after, Some(ms(1900)));
         assert_retry_is_exact(&s, 10);
         assert!(s.consume(11).never_admissible());
+    }
+
+    #[test]
+    fn refunds_follow_their_window_and_stop_when_it_slides_out() {
+        let q = quota(4, 1000);
+        let mut s = Sim::new(&q, T0 + 900_000);
+        s.consume(2);
+        let late = s.last_taken();
+        s.advance_ms(200); // 100 ms into the next window: `late` is now the previous window
+        s.consume(1);
+        s.refund(late);
+        assert_eq!(s.peek().remaining, 3, "as if the first request never came");
+        let mut s = Sim::new(&q, T0);
+        s.consume(2);
+        let gone = s.last_taken();
+        s.advance_ms(2_000);
+        s.consume(4);
+        s.refund(gone);
+        assert!(
+            !s.consume(1).allowed,
+            "a window that slid out gives nothing back"
+        );
+    }
+
+    #[test]
+    fn a_new_period_keeps_every_counted_permit() {
+        let q = quota(10, 1000);
+        let mut s = Sim::new(&q, T0 + 500_000);
+        assert!(s.consume(6).allowed);
+        let longer = quota(10, 10_000);
+        let mut l = s.with_quota(&longer);
+        assert_eq!(l.peek().remaining, 4);
+        let smaller = quota(5, 1000);
+        assert!(!s.with_quota(&smaller).consume(1).allowed);
     }
 
     #[test]

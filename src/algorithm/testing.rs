@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
 use super::State;
-use crate::{Algorithm, Decision, Quota};
+use crate::{Algorithm, Decision, Quota, Taken};
 
 /// 2025-01-01T00:00:00Z in µs: aligned to every whole-second period.
 pub(crate) const T0: u64 = 1_735_689_600_000_000;
@@ -35,6 +35,8 @@ pub(crate) struct Sim<'q> {
     pub(crate) quota: &'q Quota,
     pub(crate) state: State,
     pub(crate) now: u64,
+    /// The receipt of the last admission.
+    taken: Option<Taken>,
 }
 
 impl<'q> Sim<'q> {
@@ -43,15 +45,31 @@ impl<'q> Sim<'q> {
             quota,
             state: State::new(quota),
             now,
+            taken: None,
+        }
+    }
+
+    /// The same state and time, read under another quota (a rule changed).
+    pub(crate) fn with_quota<'r>(&self, quota: &'r Quota) -> Sim<'r> {
+        Sim {
+            quota,
+            state: self.state.clone(),
+            now: self.now,
+            taken: None,
         }
     }
 
     pub(crate) fn consume(&mut self, cost: u64) -> Decision {
         let d = self.state.decide(self.now, self.quota, cost);
         if d.allowed {
-            self.state.commit(self.now, self.quota, cost);
+            self.taken = Some(self.state.commit(self.now, self.quota, cost));
         }
         d
+    }
+
+    /// The receipt of the last admission.
+    pub(crate) fn last_taken(&self) -> Taken {
+        self.taken.expect("an admission before")
     }
 
     /// The decision a request of cost 1 would get, without taking anything.
@@ -63,9 +81,9 @@ impl<'q> Sim<'q> {
         d
     }
 
-    pub(crate) fn refund(&mut self, cost: u64) {
+    pub(crate) fn refund(&mut self, taken: Taken) {
         self.state.decide(self.now, self.quota, 1);
-        self.state.refund(self.now, self.quota, cost);
+        self.state.refund(self.now, self.quota, taken);
     }
 
     pub(crate) fn advance_ms(&mut self, n: u64) {

@@ -6,16 +6,30 @@
 //! terms.
 //!
 //! Promise: never more than `burst + limit × t / period` permits in any interval of length `t`.
+//!
+//! Refunds: a receipt names when the bucket was debited. Had the request never come, the bucket
+//! would hold its cost more, less whatever refill a full bucket would have wasted since, at most
+//! `rate × elapsed`. A refund gives back `cost − rate × elapsed` (nothing once the bucket could
+//! have refilled the debt), so it never lifts the bucket above what it would be without the
+//! request.
+//!
+//! Quota changes: the state is what a full bucket misses, with its scale (units per token); a
+//! state written under another scale is converted to the same number of missing tokens, rounded
+//! up, at most the new burst (a full bucket stays full). Two quotas writing one key therefore
+//! never hold more than the larger burst, and refill at most at the faster rate.
 
-use super::{div_ceil, never, us};
-use crate::{Decision, Quota};
+use super::{div_ceil, never, rescale_ceil, us};
+use crate::{Decision, Quota, Taken};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TokenBucket {
-    /// Tokens in the bucket at `last`, in units.
-    pub(crate) units: u64,
-    /// When `units` was last brought up to date (µs).
+    /// Units missing from a full bucket at `last` (a full bucket misses none, whatever the
+    /// quota).
+    pub(crate) missing: u64,
+    /// When `missing` was last brought up to date (µs).
     pub(crate) last: u64,
+    /// Units per token when `missing` was written.
+    pub(crate) scale: u64,
 }
 
 /// Units per token and units refilled per microsecond, in lowest terms.
@@ -25,10 +39,10 @@ fn scale_and_rate(quota: &Quota) -> (u64, u64) {
 
 impl TokenBucket {
     pub(crate) fn full(quota: &Quota) -> TokenBucket {
-        let (scale, _) = scale_and_rate(quota);
         TokenBucket {
-            units: quota.burst() * scale,
+            missing: 0,
             last: 0,
+            scale: quota.token_units(),
         }
     }
 
@@ -36,51 +50,70 @@ impl TokenBucket {
         let (scale, rate) = scale_and_rate(quota);
         let burst = quota.burst();
         let full = burst * scale;
-        // A state left by a rule with a larger burst is read as a full bucket.
-        self.units = self.units.min(full);
+        if self.scale != scale {
+            self.missing = rescale_ceil(self.missing, self.scale, scale, full);
+            self.scale = scale;
+        }
+        // A state left by a rule with a larger burst misses at most the whole bucket.
+        self.missing = self.missing.min(full);
         // Refill, without multiplying a long idle time by the rate (it could overflow).
         let elapsed = now.saturating_sub(self.last);
-        let missing = full - self.units;
-        if elapsed >= div_ceil(missing, rate) {
-            self.units = full;
+        if elapsed >= div_ceil(self.missing, rate) {
+            self.missing = 0;
         } else {
-            self.units += elapsed * rate;
+            self.missing -= elapsed * rate;
         }
         self.last = self.last.max(now);
 
-        let remaining = self.units / scale;
-        let reset_after = div_ceil(full - self.units, rate);
+        let units = full - self.missing;
+        let remaining = units / scale;
+        let reset_after = div_ceil(self.missing, rate);
         if cost > burst {
             return never(burst, remaining, reset_after);
         }
         let need = cost * scale;
-        if self.units >= need {
-            let left = self.units - need;
+        if units >= need {
+            let left = units - need;
             Decision::admit(burst, left / scale, us(div_ceil(full - left, rate)))
         } else {
-            let retry = div_ceil(need - self.units, rate);
+            let retry = div_ceil(need - units, rate);
             Decision::deny(burst, remaining, us(reset_after), Some(us(retry)))
         }
     }
 
-    pub(crate) fn commit(&mut self, quota: &Quota, cost: u64) {
-        let (scale, _) = scale_and_rate(quota);
-        self.units -= cost * scale;
+    pub(crate) fn commit(&mut self, quota: &Quota, cost: u64) -> Taken {
+        self.missing += cost * quota.token_units();
+        Taken {
+            at: self.last,
+            cost,
+        }
     }
 
-    pub(crate) fn refund(&mut self, quota: &Quota, cost: u64) {
-        let (scale, _) = scale_and_rate(quota);
-        let cost = cost.min(quota.burst());
-        self.units = (self.units + cost * scale).min(quota.burst() * scale);
+    pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {
+        let (scale, rate) = scale_and_rate(quota);
+        let debt = taken.cost.min(quota.burst()) * scale;
+        let elapsed = now.saturating_sub(taken.at);
+        if elapsed >= div_ceil(debt, rate) {
+            return;
+        }
+        self.missing = self.missing.saturating_sub(debt - elapsed * rate);
+    }
+
+    /// Take up to `max` whole tokens; returns how many.
+    pub(crate) fn take_up_to(&mut self, quota: &Quota, max: u64) -> u64 {
+        let scale = quota.token_units();
+        let units = quota.burst() * scale - self.missing;
+        let permits = max.min(units / scale);
+        self.missing += permits * scale;
+        permits
     }
 
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
-        let (scale, rate) = scale_and_rate(quota);
-        let full = quota.burst() * scale;
-        if self.units >= full {
+        let (_, rate) = scale_and_rate(quota);
+        if self.missing == 0 {
             0
         } else {
-            self.last + div_ceil(full - self.units, rate)
+            self.last + div_ceil(self.missing, rate)
         }
     }
 }
@@ -142,8 +175,58 @@ mod tests {
         let q = quota(10, 1000, 5);
         let mut s = Sim::new(&q, T0);
         assert!(s.consume(2).allowed);
-        s.refund(10);
+        let two = s.last_taken();
+        s.refund(two);
+        s.refund(two);
         assert_eq!(s.peek().remaining, 5);
+    }
+
+    /// The soundness issue's bucket scenario: X at 0 s, full again by 0.2 s, 10 admitted at
+    /// 0.2 s, X refunded: no eleventh permit.
+    #[test]
+    fn refund_after_refill_gives_nothing() {
+        let q = quota(10, 1000, 10);
+        let mut s = Sim::new(&q, T0);
+        s.consume(1);
+        let x = s.last_taken();
+        s.advance_ms(200);
+        for _ in 0..10 {
+            assert!(s.consume(1).allowed);
+        }
+        s.refund(x);
+        assert!(!s.consume(1).allowed, "11 in zero time");
+        // Part of a debt refilled: only the rest comes back.
+        let mut s = Sim::new(&q, T0);
+        s.consume(10);
+        let ten = s.last_taken();
+        s.advance_ms(250); // 2.5 tokens refilled
+        s.refund(ten);
+        assert_eq!(s.peek().remaining, 10, "2.5 + (10 − 2.5)");
+        let mut s = Sim::new(&q, T0);
+        s.consume(10);
+        let ten = s.last_taken();
+        s.advance_ms(250);
+        s.consume(2);
+        s.refund(ten);
+        assert_eq!(s.peek().remaining, 8, "the later request stays counted");
+    }
+
+    /// The soundness issue's scale scenario: 1001/s then 1000/s on one key.
+    #[test]
+    fn a_new_quota_reads_tokens_not_units() {
+        let before = quota(1001, 1000, 1001);
+        let mut s = Sim::new(&before, T0);
+        assert!(s.consume(1000).allowed);
+        let after = quota(1000, 1000, 1000);
+        let mut a = s.with_quota(&after);
+        assert_eq!(a.peek().remaining, 0, "1000 tokens missing of 1000");
+        let mut total = 0;
+        for _ in 0..2000 {
+            if a.consume(1).allowed {
+                total += 1;
+            }
+        }
+        assert_eq!(total, 0);
     }
 
     proptest! {

@@ -18,7 +18,6 @@ use crate::{Decision, Error, Key, Rule, Source};
 struct Verdict {
     config: Arc<Config>,
     targets: Targets,
-    cost: u64,
     decisions: Decisions,
     governing: Decision,
     /// Shadow mode let through a request that would have been denied.
@@ -29,7 +28,6 @@ impl Verdict {
     fn new(
         config: Arc<Config>,
         targets: Targets,
-        cost: u64,
         decisions: Decisions,
         started: Instant,
     ) -> Verdict {
@@ -49,7 +47,6 @@ impl Verdict {
         Verdict {
             config,
             targets,
-            cost,
             decisions,
             governing,
             would_deny,
@@ -102,24 +99,24 @@ impl Verdict {
         if !self.governing.allowed || self.would_deny || !counted {
             return None; // nothing was taken from the shared budget
         }
-        let refunds: Vec<(usize, Key)> = self
+        let refunds: Vec<(usize, Key, crate::Taken)> = self
             .targets
             .iter()
-            .filter(|(i, _)| {
+            .zip(&self.decisions)
+            .filter(|((i, _), _)| {
                 self.config.scopes[*i]
                     .refund_if
                     .as_ref()
                     .is_some_and(|refund| refund(status))
             })
-            .cloned()
+            .filter_map(|((i, key), d)| Some((*i, key.clone(), d.taken?)))
             .collect();
         if refunds.is_empty() {
             return None;
         }
         let limiter = self.config.limiter.clone();
-        let cost = self.cost;
         Some(Box::pin(async move {
-            if let Err(error) = limiter.apply_indexed(Op::Refund, &refunds, cost).await {
+            if let Err(error) = limiter.refund_parts(&refunds).await {
                 tracing::warn!(%error, "fleetlimit: refund failed; the permits stay taken");
             }
         }))
@@ -133,7 +130,6 @@ type Decisions = smallvec::SmallVec<[Decision; 2]>;
 /// path, where it is moved a few times per request.
 struct Waiting<S, B> {
     config: Arc<Config>,
-    cost: u64,
     grpc: bool,
     inner: S,
     req: Request<B>,
@@ -193,7 +189,7 @@ where
         // An in-process store decides on the spot: no boxed future, no extra state.
         if let Some(decisions) = config.limiter.consume_now(&targets, cost) {
             let started = Instant::now();
-            let verdict = Verdict::new(config, targets, cost, decisions, started);
+            let verdict = Verdict::new(config, targets, decisions, started);
             if verdict.admits() {
                 req.extensions_mut().insert(verdict.info());
                 return ResponseFuture {
@@ -220,7 +216,6 @@ where
                 decision,
                 waiting: Some(Box::new(Waiting {
                     config,
-                    cost,
                     grpc,
                     inner,
                     req,
@@ -317,7 +312,6 @@ where
                     };
                     let Waiting {
                         config,
-                        cost,
                         grpc,
                         mut inner,
                         mut req,
@@ -335,7 +329,7 @@ where
                             return Poll::Ready(Ok(r.map(ResponseBody::full)));
                         }
                     };
-                    let verdict = Verdict::new(config, targets, cost, decisions.into(), started);
+                    let verdict = Verdict::new(config, targets, decisions.into(), started);
                     if verdict.admits() {
                         req.extensions_mut().insert(verdict.info());
                         let future = inner.call(req);

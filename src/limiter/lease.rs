@@ -15,8 +15,8 @@ use arc_swap::ArcSwap;
 
 use super::Inner;
 use crate::error::{ConfigError, Error};
-use crate::store::{Check, Op};
-use crate::{Decision, Key, Quota, Rule, Source, StoreError};
+use crate::store::{Check, Op, Refund};
+use crate::{Decision, Key, Quota, Rule, Source, StoreError, Taken};
 
 /// How a rule's hot keys are leased; see [`LimiterBuilder::lease`](super::LimiterBuilder::lease).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -136,8 +136,9 @@ struct Block {
     permits: AtomicU64,
     /// Spend only before this (µs, the limiter's clock).
     deadline: u64,
-    /// Give back before this (µs, the store's clock).
-    valid_until_store: u64,
+    /// Where the block's permits were taken: spent ones are refunded, and unspent ones given
+    /// back, through it.
+    taken: Option<Taken>,
     /// The store refused the key until `deadline` for requests costing at least `.1`: deny
     /// those locally.
     denied: Option<(Decision, u64)>,
@@ -150,7 +151,7 @@ impl Block {
         Block {
             permits: AtomicU64::new(0),
             deadline: 0,
-            valid_until_store: 0,
+            taken: None,
             denied: None,
             seen: Decision::admit(0, 0, Duration::ZERO),
         }
@@ -432,11 +433,11 @@ impl Inner {
             let block = Block {
                 permits: AtomicU64::new(left),
                 deadline,
-                valid_until_store: lease.valid_until_us,
+                taken: Some(lease.taken),
                 denied: None,
                 seen: lease.state,
             };
-            let decision = lease_decision(&block, left);
+            let decision = lease_decision(&block, left, check.cost);
             let old = slot.block.swap(Arc::new(block));
             self.give_back_later(check, &old);
             return Ok(decision);
@@ -463,12 +464,13 @@ impl Inner {
             _ => Block {
                 permits: AtomicU64::new(lease.permits),
                 deadline,
-                valid_until_store: lease.valid_until_us,
+                taken: Some(lease.taken),
                 denied: None,
                 seen: lease.state,
             },
         };
-        slot.block.store(Arc::new(block));
+        let old = slot.block.swap(Arc::new(block));
+        self.give_back_later(check, &old);
         Ok(d)
     }
 
@@ -489,23 +491,31 @@ impl Inner {
     /// back in the background rather than let them expire unused.
     fn give_back_later(&self, check: &Check<'_>, old: &Block) {
         let unspent = old.permits.swap(0, Ordering::AcqRel);
-        if unspent == 0 || self.clock.now_us() >= old.deadline {
+        let (Some(taken), true) = (old.taken, unspent > 0) else {
             return;
-        }
+        };
         let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
         else {
             return;
         };
-        let (rule, key, until) = (check.rule.clone(), check.key.clone(), old.valid_until_store);
+        let (rule, key) = (check.rule.clone(), check.key.clone());
         runtime.spawn(async move {
-            let check = Check {
-                rule: &rule,
-                key: &key,
-                cost: unspent,
-            };
-            let domain = me.store.failure_domain(std::slice::from_ref(&check));
-            let _ = me.call_store(domain, me.store.release(check, until)).await;
+            me.give_back(&rule, &key, taken.part(unspent)).await;
         });
+    }
+
+    /// Return unspent permits of a block through its receipt.
+    async fn give_back(&self, rule: &Rule, key: &Key, taken: Taken) -> bool {
+        let refund = [Refund { rule, key, taken }];
+        let check = Check {
+            rule,
+            key,
+            cost: taken.cost,
+        };
+        let domain = self.store.failure_domain(std::slice::from_ref(&check));
+        self.call_store(domain, self.store.refund(&refund))
+            .await
+            .is_some()
     }
 
     fn start_sweeper(&self) {
@@ -531,23 +541,13 @@ impl Inner {
     async fn release_slot(&self, index: usize, key: &Key, slot: &Slot) {
         let block = slot.block.swap(Arc::new(Block::empty()));
         let unspent = block.permits.swap(0, Ordering::AcqRel);
-        let Some(rule) = self.rules.get(index) else {
+        let (Some(rule), Some(taken), true) = (self.rules.get(index), block.taken, unspent > 0)
+        else {
             return;
         };
-        if unspent == 0 || self.clock.now_us() >= block.deadline {
-            return;
-        }
-        let check = Check {
-            rule,
-            key,
-            cost: unspent,
-        };
-        let domain = self.store.failure_domain(std::slice::from_ref(&check));
-        if self
-            .call_store(domain, self.store.release(check, block.valid_until_store))
-            .await
-            .is_none()
-        {
+        // A window's permits come back until the window ends, past the block's own validity; a
+        // bucket's as far as it has not refilled them (the receipt knows which).
+        if !self.give_back(rule, key, taken.part(unspent)).await {
             tracing::debug!(
                 rule = rule.name(),
                 "fleetlimit: could not give leased permits back; they expire with the lease"
@@ -580,7 +580,7 @@ fn spend(block: &Block, cost: u64, now: u64) -> Option<Decision> {
             Ordering::AcqRel,
             Ordering::Acquire,
         ) {
-            Ok(_) => return Some(lease_decision(block, left - cost)),
+            Ok(_) => return Some(lease_decision(block, left - cost, cost)),
             Err(now_left) => left = now_left,
         }
     }
@@ -588,13 +588,15 @@ fn spend(block: &Block, cost: u64, now: u64) -> Option<Decision> {
 
 /// An admission from a leased block. `remaining` is the shared budget as last seen plus what
 /// this process still holds: it never grows between store calls.
-fn lease_decision(block: &Block, left: u64) -> Decision {
+fn lease_decision(block: &Block, left: u64, cost: u64) -> Decision {
     let mut d = Decision::admit(
         block.seen.limit,
         block.seen.remaining + left,
         block.seen.reset_after,
     );
     d.source = Source::Lease;
+    // Spent from a block: a refund goes back through the block's receipt.
+    d.taken = block.taken.map(|t| t.part(cost));
     d
 }
 

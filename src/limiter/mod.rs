@@ -7,8 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{ConfigError, Error};
-use crate::store::{Check, Op, Store};
-use crate::{Clock, Decision, Key, MemoryStore, Quota, Rule, Source, StoreError, SystemClock};
+use crate::store::{Check, Op, Refund, Store};
+use crate::{
+    Clock, Decision, Key, MemoryStore, Quota, Rule, Source, StoreError, SystemClock, Taken,
+};
 
 mod breaker;
 mod lease;
@@ -80,6 +82,27 @@ pub struct LimiterStats {
     pub lease_calls: u64,
     /// Keys in leased mode right now.
     pub leased_keys: u64,
+}
+
+/// What an admission took from the shared budget, to give back with [`Limiter::refund`].
+///
+/// A receipt is neither `Clone` nor `Copy`: each is refunded at most once, and a refund undoes
+/// only what is still outstanding where the permits were taken (the window they were counted in,
+/// the log entries they added, the bucket's debt not yet refilled), so a refund can never create
+/// a permit, whenever it comes.
+#[derive(Debug)]
+#[must_use = "a receipt does nothing unless it is refunded"]
+pub struct Receipt {
+    /// The limiter that issued it (rule indexes are its own).
+    issuer: usize,
+    parts: smallvec::SmallVec<[(usize, Key, Taken); 2]>,
+}
+
+impl Receipt {
+    /// How many permits it would give back at most (summed over its rules).
+    pub fn cost(&self) -> u64 {
+        self.parts.iter().map(|(_, _, t)| t.cost).sum()
+    }
 }
 
 /// Decides requests against one or more [`Rule`]s through a [`Store`]. Cheap to clone: clones
@@ -409,10 +432,114 @@ impl Limiter {
         self.apply(Op::Peek, key, 1).await
     }
 
-    /// Give `cost` permits back to `key` under every rule, where the algorithm allows it (a
-    /// sliding log forgets its newest entries, a bucket refills, a window's count drops).
-    pub async fn refund(&self, key: &Key, cost: u64) -> Result<Decision, Error> {
-        self.apply(Op::Refund, key, cost).await
+    /// [`consume`](Limiter::consume), with a receipt for what was taken when the request was
+    /// admitted and counted (none for a denial, or for an admission by fail-open or the local
+    /// fallback, which took nothing from the shared budget).
+    ///
+    /// ```
+    /// # use fleetlimit::{Key, Limiter, MemoryStore, Quota, Rule};
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let limiter = Limiter::builder(MemoryStore::new())
+    ///     .rule(Rule::new("logins", Quota::per_minute(1).build()?)?)
+    ///     .build()?;
+    /// let key = Key::new("alice");
+    /// let (decision, receipt) = limiter.consume_with_receipt(&key, 1).await?;
+    /// assert!(decision.allowed);
+    /// // The login succeeded: it should not count.
+    /// limiter.refund(receipt.expect("admitted")).await?;
+    /// assert!(limiter.consume(&key, 1).await?.allowed);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn consume_with_receipt(
+        &self,
+        key: &Key,
+        cost: u64,
+    ) -> Result<(Decision, Option<Receipt>), Error> {
+        let targets: smallvec::SmallVec<[(usize, Key); 2]> = (0..self.inner.rules.len())
+            .map(|i| (i, key.clone()))
+            .collect();
+        let decisions = self.apply_indexed(Op::Consume, &targets, cost).await?;
+        let receipt = self.receipt(&targets, &decisions);
+        let decision = decisions
+            .into_iter()
+            .reduce(Decision::more_restrictive)
+            .ok_or_else(|| Error::Store(StoreError::Protocol("no decision".into())))?;
+        Ok((decision, receipt))
+    }
+
+    /// Give back what an admission took, as far as it is still outstanding: a window's permits
+    /// while that window lasts, a log's own entries, a bucket's debt not yet refilled. Nothing
+    /// is created: had the request never come, the state would hold at least as much.
+    pub async fn refund(&self, receipt: Receipt) -> Result<(), Error> {
+        if receipt.issuer != self.id() {
+            return Err(Error::ForeignReceipt);
+        }
+        self.refund_parts(&receipt.parts).await
+    }
+
+    /// A receipt for the admitted, counted decisions of `targets`.
+    pub(crate) fn receipt(
+        &self,
+        targets: &[(usize, Key)],
+        decisions: &[Decision],
+    ) -> Option<Receipt> {
+        let parts: smallvec::SmallVec<[(usize, Key, Taken); 2]> = targets
+            .iter()
+            .zip(decisions)
+            .filter(|(_, d)| d.allowed)
+            .filter_map(|((i, key), d)| Some((*i, key.clone(), d.taken?)))
+            .collect();
+        (!parts.is_empty()).then(|| Receipt {
+            issuer: self.id(),
+            parts,
+        })
+    }
+
+    /// Give back receipts' parts (rule index, key, where taken).
+    pub(crate) async fn refund_parts(&self, parts: &[(usize, Key, Taken)]) -> Result<(), Error> {
+        let rules = &self.inner.rules;
+        let refunds = parts
+            .iter()
+            .map(|(i, key, taken)| {
+                let rule = rules
+                    .get(*i)
+                    .ok_or_else(|| Error::UnknownRule(format!("#{i}")))?;
+                Ok(Refund {
+                    rule,
+                    key,
+                    taken: *taken,
+                })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        if refunds.is_empty() {
+            return Ok(());
+        }
+        let inner = &self.inner;
+        let checks: Vec<Check<'_>> = refunds
+            .iter()
+            .map(|r| Check {
+                rule: r.rule,
+                key: r.key,
+                cost: r.taken.cost,
+            })
+            .collect();
+        if inner.policy.is_none() {
+            inner.store.refund(&refunds).await?;
+            return Ok(());
+        }
+        let domain = inner.store.failure_domain(&checks);
+        match inner.call_store(domain, inner.store.refund(&refunds)).await {
+            Some(_) => Ok(()),
+            None => Err(Error::Store(StoreError::Connection(
+                "the store could not take the refund; the permits stay taken until they expire"
+                    .into(),
+            ))),
+        }
+    }
+
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
     }
 
     /// Apply `op` to chosen rules, each with its own key (per account AND per IP, say), as one
@@ -708,6 +835,9 @@ impl Inner {
                 for d in &mut decisions {
                     d.source = Source::Fallback;
                     d.degraded = true;
+                    // Taken from this process's fallback, not the shared budget: a refund must
+                    // not reach the store.
+                    d.taken = None;
                 }
                 decisions
             }

@@ -1,29 +1,53 @@
 //! The in-memory store: the embedded default, for one process and for tests.
 //!
 //! The map is split into shards, each behind its own mutex, so concurrent requests on different
-//! keys rarely meet. Memory is bounded two ways: state that can no longer affect a decision is
-//! swept as the map grows, and a maximum key count evicts the keys closest to expiry first, so a
-//! client spraying random keys cannot grow memory without bound.
+//! keys rarely meet. Memory is bounded: state that can no longer affect a decision is swept as
+//! the map grows, and a maximum key count evicts, when full, the entries closest to a fresh state
+//! (the fewest permits used), never one that has used more than half of its quota. So a client
+//! spraying random keys cannot reset a key it has exhausted: an eviction gives a key back at most
+//! half of its limit. When every entry of a shard has used more than that, new keys share one
+//! overflow state per rule (or are refused; see [`Overflow`]) until entries expire.
+//!
+//! Memory per entry: about 100 bytes plus the key (the README has the measured figure).
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
-use std::time::Duration;
-
-use super::{BoxFuture, Check, Lease, Op, Store};
+use super::{BoxFuture, Check, Lease, Op, Refund, Store};
 use crate::algorithm::State;
 use crate::error::ConfigError;
-use crate::{Clock, Decision, StoreError, SystemClock};
+use crate::{Clock, Decision, Quota, StoreError, SystemClock};
 
 /// The default maximum number of (rule, key) entries kept.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
 /// Entries a shard holds before its first sweep for expired state.
 const FIRST_SWEEP: usize = 64;
+
+/// `used` is a fraction of the quota's capacity in 1/65535ths.
+const USED_SCALE: u64 = u16::MAX as u64;
+/// Entries that have used more than this share of their quota are never evicted.
+const EVICTABLE: u16 = (USED_SCALE / 2) as u16;
+
+/// What a new key gets when its shard is full and every entry in it has used more than half of
+/// its quota (so evicting one would give a limited client its permits back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Overflow {
+    /// New keys share one state per rule (per shard) until room frees up: they are limited
+    /// together, never less than one key would be. The default.
+    Shared,
+    /// New keys are refused, with this `Retry-After`, until room frees up.
+    Refuse {
+        /// The wait given to refused requests.
+        retry_after: Duration,
+    },
+}
 
 /// An in-process [`Store`]: same algorithms and semantics as the Redis store, for one process.
 ///
@@ -45,6 +69,7 @@ struct Inner {
     hasher: DefaultHashBuilder,
     clock: Arc<dyn Clock>,
     shard_capacity: usize,
+    overflow: Overflow,
 }
 
 struct Shard {
@@ -53,6 +78,8 @@ struct Shard {
     hasher: DefaultHashBuilder,
     /// Sweep expired entries when the shard reaches this size.
     next_sweep: usize,
+    /// With [`Overflow::Shared`]: the state new keys share, per rule, while the shard is full.
+    overflow: Vec<(Arc<str>, State)>,
 }
 
 /// Kept small (no cached hash, the key's bytes boxed): a table of many keys is bound by cache
@@ -63,6 +90,19 @@ struct Entry {
     state: State,
     /// From this time on the state equals a fresh one and can be dropped.
     expires_at: u64,
+    /// The share of the quota used at the last write (it only falls between writes), in
+    /// 1/65535ths: eviction takes the lowest first.
+    used: u16,
+}
+
+/// Where a check's state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Found,
+    /// Not held yet, and there is room.
+    Fresh,
+    /// Not held, and the shard is full of restrictive entries.
+    Overflow,
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -73,6 +113,7 @@ impl std::fmt::Debug for MemoryStore {
                 "max_keys",
                 &(self.inner.shard_capacity * self.inner.shards.len()),
             )
+            .field("overflow", &self.inner.overflow)
             .field("clock", &self.inner.clock)
             .finish()
     }
@@ -115,6 +156,35 @@ impl MemoryStore {
     pub fn check(&self, op: Op, check: &Check<'_>) -> Decision {
         self.inner.apply_one(op, check, self.inner.clock.now_us())
     }
+
+    /// [`Store::refund`], synchronously.
+    pub fn refund_now(&self, refunds: &[Refund<'_>]) -> Vec<Decision> {
+        let inner = &self.inner;
+        let now = inner.clock.now_us();
+        refunds
+            .iter()
+            .map(|r| {
+                let check = Check {
+                    rule: r.rule,
+                    key: r.key,
+                    cost: 1,
+                };
+                let hash = inner.hash(&check);
+                let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
+                let quota = r.rule.quota();
+                match shard.find(&check, hash) {
+                    Some(entry) => {
+                        entry.state.decide(now, quota, 1);
+                        entry.state.refund(now, quota, r.taken);
+                        entry.expires_at = entry.state.expires_at(quota);
+                        peek(&mut entry.state, now, quota)
+                    }
+                    // Evicted or expired: nothing is outstanding any more.
+                    None => peek(&mut State::new(quota), now, quota),
+                }
+            })
+            .collect()
+    }
 }
 
 /// Builder for [`MemoryStore`].
@@ -123,6 +193,7 @@ pub struct MemoryStoreBuilder {
     clock: Arc<dyn Clock>,
     max_keys: usize,
     shards: usize,
+    overflow: Overflow,
 }
 
 impl Default for MemoryStoreBuilder {
@@ -132,6 +203,7 @@ impl Default for MemoryStoreBuilder {
             clock: Arc::new(SystemClock),
             max_keys: DEFAULT_MAX_KEYS,
             shards: (cores * 8).next_power_of_two().clamp(16, 256),
+            overflow: Overflow::Shared,
         }
     }
 }
@@ -144,9 +216,17 @@ impl MemoryStoreBuilder {
     }
 
     /// Keep at most about this many (rule, key) entries (default [`DEFAULT_MAX_KEYS`]). When
-    /// full, entries closest to expiry are evicted first; an evicted key starts afresh.
+    /// full, expired entries go first, then those that have used the least of their quota (never
+    /// more than half of it); an evicted key starts afresh.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
+        self
+    }
+
+    /// What new keys get while a shard is full of entries that cannot be evicted (default
+    /// [`Overflow::Shared`]).
+    pub fn overflow(mut self, overflow: Overflow) -> Self {
+        self.overflow = overflow;
         self
     }
 
@@ -174,6 +254,14 @@ impl MemoryStoreBuilder {
                 ),
             });
         }
+        if let Overflow::Refuse { retry_after } = self.overflow {
+            if retry_after < Duration::from_millis(1) {
+                return Err(ConfigError::Invalid {
+                    setting: "overflow",
+                    reason: "Refuse needs a retry_after of at least 1 ms".into(),
+                });
+            }
+        }
         Ok(self.build_unchecked())
     }
 
@@ -189,12 +277,14 @@ impl MemoryStoreBuilder {
                             table: HashTable::new(),
                             hasher,
                             next_sweep: FIRST_SWEEP.min(shard_capacity),
+                            overflow: Vec::new(),
                         })
                     })
                     .collect(),
                 hasher,
                 clock: self.clock,
                 shard_capacity,
+                overflow: self.overflow,
             }),
         }
     }
@@ -230,9 +320,11 @@ impl Inner {
     fn apply_one(&self, op: Op, check: &Check<'_>, now: u64) -> Decision {
         let hash = self.hash(check);
         let mut shard = lock(&self.shards[self.shard_of(hash)]);
-        let decision = shard.decide(op, check, hash, now);
+        let (mut decision, place, undo) = shard.decide(op, check, hash, now, self);
         if op == Op::Consume && decision.allowed {
-            shard.commit(check, hash, now, self.shard_capacity);
+            decision.taken = Some(shard.commit(check, hash, now, place, &decision, self));
+        } else {
+            shard.restore(check, hash, undo);
         }
         decision
     }
@@ -250,27 +342,33 @@ impl Inner {
             let shard = self.shard_of(hash);
             order.iter().position(|&i| i == shard).unwrap_or(0)
         };
-        let mut decisions: Vec<Decision> = checks
+        let mut decided: Vec<(Decision, Place, Option<State>)> = checks
             .iter()
             .zip(&hashes)
-            .map(|(c, &h)| guards[slot(h)].decide(op, c, h, now))
+            .map(|(c, &h)| guards[slot(h)].decide(op, c, h, now, self))
             .collect();
-        if op == Op::Consume {
-            if decisions.iter().all(|d| d.allowed) {
-                for (c, &h) in checks.iter().zip(&hashes) {
-                    guards[slot(h)].commit(c, h, now, self.shard_capacity);
-                }
+        let commit = op == Op::Consume && decided.iter().all(|(d, _, _)| d.allowed);
+        for ((c, &h), (d, place, undo)) in checks.iter().zip(&hashes).zip(decided.iter_mut()) {
+            let shard = &mut guards[slot(h)];
+            if commit {
+                d.taken = Some(shard.commit(c, h, now, *place, d, self));
             } else {
-                // Nothing is taken: report the permits as still there.
-                for (d, c) in decisions.iter_mut().zip(checks) {
-                    if d.allowed {
-                        d.remaining += c.cost;
-                    }
+                shard.restore(c, h, undo.take());
+                if op == Op::Consume && d.allowed {
+                    // Nothing is taken: report the permits as still there.
+                    d.remaining += c.cost;
                 }
             }
         }
-        decisions
+        decided.into_iter().map(|(d, _, _)| d).collect()
     }
+}
+
+/// The share of its capacity a decision says is used, in 1/65535ths.
+fn used_share(d: &Decision) -> u16 {
+    let limit = u128::from(d.limit.max(1));
+    let used = u128::from(d.limit.saturating_sub(d.remaining));
+    (used * u128::from(USED_SCALE) / limit) as u16
 }
 
 impl Shard {
@@ -282,37 +380,130 @@ impl Shard {
         })
     }
 
-    /// Decide one check. For a refund the permits are given back here too.
-    fn decide(&mut self, op: Op, check: &Check<'_>, hash: u64, now: u64) -> Decision {
+    /// Where the check's state is, evicting to make room for a new key if the shard is full.
+    fn locate(&mut self, check: &Check<'_>, hash: u64, now: u64, capacity: usize) -> Place {
+        if self.find(check, hash).is_some() {
+            return Place::Found;
+        }
+        if self.table.len() >= capacity {
+            self.sweep(now, capacity);
+        }
+        if self.table.len() < capacity {
+            Place::Fresh
+        } else {
+            Place::Overflow
+        }
+    }
+
+    fn overflow_state(&mut self, check: &Check<'_>) -> &mut State {
         let quota = check.rule.quota();
-        let mut fresh;
-        let state = match self.find(check, hash) {
-            Some(entry) => {
-                if !entry.state.fits(quota) {
-                    entry.state = State::new(quota);
-                }
-                if op == Op::Refund {
-                    entry.state.decide(now, quota, 1);
-                    entry.state.refund(now, quota, check.cost);
-                    entry.expires_at = entry.state.expires_at(quota);
-                }
-                &mut entry.state
-            }
+        let name = check.rule.shared_name();
+        let i = match self.overflow.iter().position(|(r, _)| r == name) {
+            Some(i) => i,
             None => {
+                self.overflow.push((name.clone(), State::new(quota)));
+                self.overflow.len() - 1
+            }
+        };
+        &mut self.overflow[i].1
+    }
+
+    /// Decide one check, and say where its state lives for the commit.
+    fn decide(
+        &mut self,
+        op: Op,
+        check: &Check<'_>,
+        hash: u64,
+        now: u64,
+        store: &Inner,
+    ) -> (Decision, Place, Option<State>) {
+        let quota = check.rule.quota();
+        let place = self.locate(check, hash, now, store.shard_capacity);
+        let mut fresh;
+        let state = match place {
+            Place::Found => match self.find(check, hash) {
+                Some(entry) => fitted(&mut entry.state, quota),
+                None => unreachable!("located"),
+            },
+            Place::Fresh => {
                 fresh = State::new(quota);
                 &mut fresh
             }
+            Place::Overflow => match store.overflow {
+                Overflow::Shared => fitted(self.overflow_state(check), quota),
+                Overflow::Refuse { retry_after } => {
+                    let limit = quota.capacity();
+                    let d = Decision::deny(limit, 0, retry_after, Some(retry_after));
+                    return (d, place, None);
+                }
+            },
         };
-        let cost = if op == Op::Refund { 1 } else { check.cost };
-        let mut decision = state.decide(now, quota, cost);
-        if op != Op::Consume && decision.allowed {
-            decision.remaining += cost;
+        // Only a conversion to another quota is kept when nothing is taken, as the Redis script
+        // writes back only that; bringing a state up to date otherwise changes no decision. (A
+        // log's clean-up is kept in both, and a log is never converted.)
+        let converts = state.converts(now, quota);
+        let undo = (place == Place::Found && !converts && !matches!(state, State::SlidingLog(_)))
+            .then(|| state.clone());
+        let mut decision = state.decide(now, quota, check.cost);
+        if place == Place::Found && converts {
+            // The conversion may change the state's expiry.
+            let expires_at = state.expires_at(quota);
+            if let Some(entry) = self.find(check, hash) {
+                entry.expires_at = expires_at;
+            }
         }
-        decision
+        if op != Op::Consume && decision.allowed {
+            decision.remaining += check.cost;
+        }
+        (decision, place, undo)
     }
 
-    /// Run `f` on the check's state, creating the entry if needed, then store its new expiry
-    /// (dropping the entry if its state no longer matters).
+    /// Put back a state as it was before a decision that took nothing.
+    fn restore(&mut self, check: &Check<'_>, hash: u64, before: Option<State>) {
+        if let (Some(before), Some(entry)) = (before, self.find(check, hash)) {
+            entry.state = before;
+        }
+    }
+
+    /// Take the permits of an admitted check where [`decide`](Shard::decide) found its state.
+    fn commit(
+        &mut self,
+        check: &Check<'_>,
+        hash: u64,
+        now: u64,
+        place: Place,
+        decision: &Decision,
+        store: &Inner,
+    ) -> crate::Taken {
+        let quota = check.rule.quota();
+        let used = used_share(decision);
+        match place {
+            Place::Overflow => self.overflow_state(check).commit(now, quota, check.cost),
+            Place::Found => match self.find(check, hash) {
+                Some(entry) => {
+                    let taken = entry.state.commit(now, quota, check.cost);
+                    entry.expires_at = entry.state.expires_at(quota);
+                    entry.used = used;
+                    taken
+                }
+                None => unreachable!("located"),
+            },
+            Place::Fresh => {
+                if self.table.len() >= self.next_sweep {
+                    self.sweep(now, store.shard_capacity);
+                }
+                let mut state = State::new(quota);
+                state.decide(now, quota, check.cost);
+                let taken = state.commit(now, quota, check.cost);
+                let expires_at = state.expires_at(quota);
+                self.insert(hash, check, state, expires_at, used);
+                taken
+            }
+        }
+    }
+
+    /// Run `f` on the check's state, creating the entry if needed (a lease), then store its new
+    /// expiry and share used.
     fn with_entry<T>(
         &mut self,
         check: &Check<'_>,
@@ -320,44 +511,22 @@ impl Shard {
         now: u64,
         capacity: usize,
         f: impl FnOnce(&mut State) -> T,
-    ) -> T {
+    ) -> Option<T> {
         let quota = check.rule.quota();
-        if self.find(check, hash).is_none() {
-            if self.table.len() >= self.next_sweep {
-                self.sweep(now, capacity);
-            }
-            self.insert(hash, check, State::new(quota), 0);
+        match self.locate(check, hash, now, capacity) {
+            Place::Overflow => return None,
+            Place::Fresh => self.insert(hash, check, State::new(quota), 0, 0),
+            Place::Found => {}
         }
-        let Some(entry) = self.find(check, hash) else {
-            unreachable!("the entry was just found or inserted")
-        };
-        if !entry.state.fits(quota) {
-            entry.state = State::new(quota);
-        }
-        let out = f(&mut entry.state);
+        let entry = self.find(check, hash)?;
+        let state = fitted(&mut entry.state, quota);
+        let out = f(state);
         entry.expires_at = entry.state.expires_at(quota);
-        out
+        entry.used = used_share(&peek(&mut entry.state, now, quota));
+        Some(out)
     }
 
-    /// Take the permits of an admitted check, creating its entry if needed.
-    fn commit(&mut self, check: &Check<'_>, hash: u64, now: u64, capacity: usize) {
-        let quota = check.rule.quota();
-        if let Some(entry) = self.find(check, hash) {
-            entry.state.commit(now, quota, check.cost);
-            entry.expires_at = entry.state.expires_at(quota);
-            return;
-        }
-        if self.table.len() >= self.next_sweep {
-            self.sweep(now, capacity);
-        }
-        let mut state = State::new(quota);
-        state.decide(now, quota, check.cost);
-        state.commit(now, quota, check.cost);
-        let expires_at = state.expires_at(quota);
-        self.insert(hash, check, state, expires_at);
-    }
-
-    fn insert(&mut self, hash: u64, check: &Check<'_>, state: State, expires_at: u64) {
+    fn insert(&mut self, hash: u64, check: &Check<'_>, state: State, expires_at: u64, used: u16) {
         let hasher = &self.hasher;
         self.table.insert_unique(
             hash,
@@ -366,33 +535,53 @@ impl Shard {
                 key: check.key.as_bytes().into(),
                 state,
                 expires_at,
+                used,
             },
             |e| hasher.hash_one((&*e.rule, &*e.key)),
         );
     }
 
-    /// Drop expired state; if the shard is still full, evict the entries closest to expiry
-    /// until it is 7/8 full. The next sweep waits until the shard has doubled (or is full), so
-    /// the cost per insert stays constant.
+    /// Drop expired state; if the shard is still full, evict the entries that have used the
+    /// least of their quota (never more than half) until it is 7/8 full. The next sweep waits
+    /// until the shard has doubled (or is full), so the cost per insert stays constant.
     fn sweep(&mut self, now: u64, capacity: usize) {
         self.table.retain(|e| e.expires_at > now);
         if self.table.len() >= capacity {
             let keep = capacity - capacity / 8;
-            let drop = self.table.len() + 1 - keep.max(1);
-            let mut expiries: Vec<u64> = self.table.iter().map(|e| e.expires_at).collect();
-            let (_, &mut threshold, _) = expiries.select_nth_unstable(drop - 1);
-            let mut dropped = 0;
-            self.table.retain(|e| {
-                if e.expires_at < threshold || (e.expires_at == threshold && dropped < drop) {
-                    dropped += 1;
-                    false
-                } else {
-                    true
-                }
-            });
+            let wanted = self.table.len() + 1 - keep.max(1);
+            let mut evictable: Vec<u16> = self
+                .table
+                .iter()
+                .map(|e| e.used)
+                .filter(|&u| u <= EVICTABLE)
+                .collect();
+            let drop = wanted.min(evictable.len());
+            if drop > 0 {
+                let (_, &mut threshold, _) = evictable.select_nth_unstable(drop - 1);
+                let mut dropped = 0;
+                self.table.retain(|e| {
+                    if e.used < threshold || (e.used == threshold && dropped < drop) {
+                        dropped += 1;
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
+        }
+        if self.table.len() < capacity {
+            self.overflow.clear();
         }
         self.next_sweep = (self.table.len() * 2).clamp(FIRST_SWEEP.min(capacity), capacity);
     }
+}
+
+/// The state, made fresh if it belongs to another algorithm (a rule was reconfigured).
+fn fitted<'s>(state: &'s mut State, quota: &Quota) -> &'s mut State {
+    if !state.fits(quota) {
+        *state = State::new(quota);
+    }
+    state
 }
 
 impl MemoryStore {
@@ -410,30 +599,31 @@ impl MemoryStore {
         let hash = inner.hash(&check);
         let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
         let max_validity_us = max_validity.as_micros().min(u128::from(u64::MAX / 4)) as u64;
-        let (granted, decision) =
-            shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
-                let granted = state.lease(now, quota, check.cost, max_validity_us);
-                (granted, peek(state, now, quota))
-            });
-        let granted = granted.ok_or_else(|| StoreError::Script("cannot be leased".into()))?;
-        Ok(Lease::new(
-            granted.permits,
-            granted.valid_until,
-            Duration::from_micros(granted.valid_until.saturating_sub(now)),
-            decision,
-        ))
-    }
-
-    /// [`Store::release`], synchronously.
-    pub fn release_now(&self, check: Check<'_>, valid_until_us: u64) -> Decision {
-        let inner = &self.inner;
-        let now = inner.clock.now_us();
-        let quota = check.rule.quota();
-        let hash = inner.hash(&check);
-        let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
-        shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
-            state.release(now, quota, check.cost, valid_until_us);
-            peek(state, now, quota)
+        let granted = shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
+            let granted = state.lease(now, quota, check.cost, max_validity_us);
+            (granted, peek(state, now, quota))
+        });
+        let (granted, state) = match granted {
+            Some((Some(granted), state)) => (granted, state),
+            Some((None, _)) => return Err(StoreError::Script("cannot be leased".into())),
+            // No room for the key: lease nothing, so requests go to the store one by one.
+            None => {
+                let (d, _, _) = shard.decide(Op::Peek, &check, hash, now, inner);
+                return Ok(Lease {
+                    permits: 0,
+                    valid_until_us: now,
+                    valid_for: Duration::ZERO,
+                    state: d,
+                    taken: crate::Taken { at: now, cost: 0 },
+                });
+            }
+        };
+        Ok(Lease {
+            permits: granted.permits,
+            valid_until_us: granted.valid_until,
+            valid_for: Duration::from_micros(granted.valid_until.saturating_sub(now)),
+            state,
+            taken: granted.taken,
         })
     }
 }
@@ -464,14 +654,11 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(self.lease_now(check, max_validity)))
     }
 
-    fn release<'a>(
+    fn refund<'a>(
         &'a self,
-        check: Check<'a>,
-        valid_until_us: u64,
-    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(std::future::ready(Ok(
-            self.release_now(check, valid_until_us)
-        )))
+        refunds: &'a [Refund<'a>],
+    ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.refund_now(refunds))))
     }
 
     fn apply<'a>(
@@ -564,77 +751,70 @@ mod tests {
         assert_eq!(peek[0].remaining, 8);
     }
 
+    fn one<'a>(r: &'a Rule, k: &'a Key, cost: u64) -> [Check<'a>; 1] {
+        [Check {
+            rule: r,
+            key: k,
+            cost,
+        }]
+    }
+
     #[test]
-    fn peek_and_refund() {
+    fn peek_and_refund_through_the_receipt() {
         let clock = ManualClock::default();
         let s = store(&clock, 100);
         let r = rule("r", Algorithm::TokenBucket, 5);
         let k = Key::new("k");
-        let check = |cost| {
-            [Check {
+        assert_eq!(s.apply_now(Op::Peek, &one(&r, &k, 1))[0].remaining, 5);
+        assert!(s.is_empty(), "a peek creates no state");
+        let d = s.apply_now(Op::Consume, &one(&r, &k, 3))[0];
+        assert_eq!(d.remaining, 2);
+        assert_eq!(s.apply_now(Op::Peek, &one(&r, &k, 1))[0].remaining, 2);
+        let taken = d.taken.unwrap();
+        assert_eq!(taken.cost(), 3);
+        let refund = |cost| {
+            s.refund_now(&[Refund {
                 rule: &r,
                 key: &k,
-                cost,
-            }]
+                taken: taken.part(cost),
+            }])[0]
         };
-        assert_eq!(s.apply_now(Op::Peek, &check(1))[0].remaining, 5);
-        assert!(s.is_empty(), "a peek creates no state");
-        assert_eq!(s.apply_now(Op::Consume, &check(3))[0].remaining, 2);
-        assert_eq!(s.apply_now(Op::Peek, &check(1))[0].remaining, 2);
-        assert_eq!(s.apply_now(Op::Refund, &check(2))[0].remaining, 4);
-        assert_eq!(s.apply_now(Op::Refund, &check(9))[0].remaining, 5);
+        assert_eq!(refund(2).remaining, 4);
+        assert_eq!(refund(9).remaining, 5, "capped at the burst");
+        let denied = s.apply_now(Op::Consume, &one(&r, &k, 6))[0];
+        assert_eq!(denied.taken, None, "a denial takes nothing");
     }
 
     #[test]
     fn a_rule_reconfigured_with_a_smaller_bucket_never_panics() {
         let clock = ManualClock::default();
         let s = store(&clock, 100);
-        let big = Rule::new(
-            "r",
-            Quota::per_second(10)
-                .algorithm(Algorithm::TokenBucket)
-                .burst(10)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
-        let small = Rule::new(
-            "r",
-            Quota::per_second(10)
-                .algorithm(Algorithm::TokenBucket)
-                .burst(2)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
+        let bucket = |burst| {
+            Rule::new(
+                "r",
+                Quota::per_second(10)
+                    .algorithm(Algorithm::TokenBucket)
+                    .burst(burst)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let (big, small) = (bucket(10), bucket(2));
         let k = Key::new("k");
-        s.apply_now(
-            Op::Consume,
-            &[Check {
-                rule: &big,
-                key: &k,
-                cost: 1,
-            }],
-        );
-        let d = s.apply_now(
-            Op::Consume,
-            &[Check {
-                rule: &small,
-                key: &k,
-                cost: 1,
-            }],
-        );
-        assert!(d[0].allowed && d[0].remaining <= 1);
-        // Absurd refunds are capped, not overflowed.
-        let d = s.apply_now(
-            Op::Refund,
-            &[Check {
-                rule: &small,
-                key: &k,
-                cost: u64::MAX,
-            }],
-        );
-        assert_eq!(d[0].remaining, 2);
+        let taken = s.apply_now(Op::Consume, &one(&big, &k, 1))[0]
+            .taken
+            .unwrap();
+        let d = s.apply_now(Op::Consume, &one(&small, &k, 1))[0];
+        assert!(d.allowed && d.remaining <= 1);
+        // The smaller bucket read what the larger one missed (one token of its two), and a
+        // receipt gives back no more than it took, whatever part is asked for.
+        let d = s.refund_now(&[Refund {
+            rule: &small,
+            key: &k,
+            taken: taken.part(u64::MAX),
+        }]);
+        assert_eq!(d[0].remaining, 1);
         let gcra = Rule::new(
             "g",
             Quota::per_day(1)
@@ -643,14 +823,14 @@ mod tests {
                 .unwrap(),
         )
         .unwrap();
-        let d = s.apply_now(
-            Op::Refund,
-            &[Check {
-                rule: &gcra,
-                key: &k,
-                cost: 1 << 40,
-            }],
-        );
+        let taken = s.apply_now(Op::Consume, &one(&gcra, &k, 1))[0]
+            .taken
+            .unwrap();
+        let d = s.refund_now(&[Refund {
+            rule: &gcra,
+            key: &k,
+            taken: taken.part(1 << 40),
+        }]);
         assert_eq!(d[0].remaining, 1);
     }
 
@@ -687,8 +867,78 @@ mod tests {
         assert!(s.len() <= 100, "expired entries swept, {} left", s.len());
     }
 
+    /// The soundness issue's eviction scenario, for every algorithm: exhausted keys survive a
+    /// spray of fresh keys that fills the store many times over.
     #[test]
-    fn eviction_prefers_entries_closest_to_expiry() {
+    fn a_key_spray_never_resets_an_exhausted_key() {
+        for algorithm in Algorithm::ALL {
+            let clock = ManualClock::default();
+            let s = store(&clock, 64);
+            let r = Rule::new(
+                "r",
+                Quota::per_hour(3).algorithm(algorithm).build().unwrap(),
+            )
+            .unwrap();
+            let victims: Vec<Key> = (0..20).map(|i| Key::new(format!("victim-{i}"))).collect();
+            for v in &victims {
+                for _ in 0..3 {
+                    assert!(s.apply_now(Op::Consume, &one(&r, v, 1))[0].allowed);
+                }
+                assert!(!s.apply_now(Op::Consume, &one(&r, v, 1))[0].allowed);
+            }
+            for i in 0..5_000u32 {
+                s.apply_now(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 1));
+                clock.advance(Duration::from_millis(1));
+            }
+            assert!(s.len() <= 64, "{algorithm}: bounded at {}", s.len());
+            for v in &victims {
+                assert!(
+                    !s.apply_now(Op::Consume, &one(&r, v, 1))[0].allowed,
+                    "{algorithm}: an exhausted key was given its permits back"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn when_every_entry_is_restrictive_new_keys_share_an_overflow_state() {
+        let clock = ManualClock::default();
+        let s = store(&clock, 64);
+        let r = rule("r", Algorithm::FixedWindow, 2);
+        for i in 0..64u32 {
+            let k = Key::new(i.to_be_bytes());
+            s.apply_now(Op::Consume, &one(&r, &k, 2));
+        }
+        // Every entry is exhausted: nothing can be evicted, so new keys share one state.
+        let (a, b) = (Key::new("new-a"), Key::new("new-b"));
+        assert!(s.apply_now(Op::Consume, &one(&r, &a, 1))[0].allowed);
+        assert!(s.apply_now(Op::Consume, &one(&r, &b, 1))[0].allowed);
+        assert!(!s.apply_now(Op::Consume, &one(&r, &a, 1))[0].allowed);
+        assert_eq!(s.len(), 64);
+        // Once entries expire, new keys get their own state again.
+        clock.advance(Duration::from_secs(1));
+        assert!(s.apply_now(Op::Consume, &one(&r, &a, 2))[0].allowed);
+        assert!(s.apply_now(Op::Consume, &one(&r, &b, 2))[0].allowed);
+
+        let refusing = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(16)
+            .shards(1)
+            .overflow(Overflow::Refuse {
+                retry_after: Duration::from_secs(5),
+            })
+            .build()
+            .unwrap();
+        for i in 0..16u32 {
+            refusing.apply_now(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 2));
+        }
+        let d = refusing.apply_now(Op::Consume, &one(&r, &a, 1))[0];
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn eviction_takes_the_freshest_entries_first() {
         let clock = ManualClock::default();
         let s = store(&clock, 64);
         let short = rule("short", Algorithm::FixedWindow, 5);
@@ -701,35 +951,16 @@ mod tests {
         )
         .unwrap();
         let hot = Key::new("hot");
-        for _ in 0..5 {
-            s.apply_now(
-                Op::Consume,
-                &[Check {
-                    rule: &long,
-                    key: &hot,
-                    cost: 1,
-                }],
-            );
+        for _ in 0..3 {
+            s.apply_now(Op::Consume, &one(&long, &hot, 1));
         }
         for i in 0..1_000u32 {
-            let k = Key::new(i.to_be_bytes());
-            s.apply_now(
-                Op::Consume,
-                &[Check {
-                    rule: &short,
-                    key: &k,
-                    cost: 1,
-                }],
-            );
+            s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 1));
         }
-        let d = s.apply_now(
-            Op::Consume,
-            &[Check {
-                rule: &long,
-                key: &hot,
-                cost: 1,
-            }],
+        let d = s.apply_now(Op::Peek, &one(&long, &hot, 1))[0];
+        assert_eq!(
+            d.remaining, 2,
+            "the entry that used 3 of 5 survived the spray"
         );
-        assert!(!d[0].allowed, "the long-lived entry survived the spray");
     }
 }

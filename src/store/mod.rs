@@ -9,7 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use crate::{Decision, Key, Rule, StoreError};
+use crate::{Decision, Key, Rule, StoreError, Taken};
 
 pub mod memory;
 pub mod redis;
@@ -39,9 +39,19 @@ pub enum Op {
     Consume,
     /// Decide as a consume would, but take nothing; `remaining` is the count before taking.
     Peek,
-    /// Give `cost` permits back to every check where the algorithm allows it; the decisions
-    /// describe the state afterwards.
-    Refund,
+}
+
+/// Permits to give back: what an admission took from `rule`'s state for `key`, as its decision
+/// recorded it. A refund undoes only what is still outstanding there, so it can never create a
+/// permit; give each back once.
+#[derive(Debug, Clone, Copy)]
+pub struct Refund<'a> {
+    /// The rule the permits were taken under.
+    pub rule: &'a Rule,
+    /// The key they were counted against.
+    pub key: &'a Key,
+    /// Where they were taken.
+    pub taken: Taken,
 }
 
 /// A block of permits taken from the shared budget at once, to be spent in process memory.
@@ -50,25 +60,14 @@ pub enum Op {
 pub struct Lease {
     /// Permits granted (already deducted from the shared budget); 0 when none could be.
     pub permits: u64,
-    /// Until when they may be spent, in µs on the store's clock (pass it back to
-    /// [`Store::release`]).
+    /// Until when they may be spent, in µs on the store's clock.
     pub valid_until_us: u64,
     /// How long they may be spent, from the moment the store granted them.
     pub valid_for: Duration,
     /// The shared state right after the grant (as a peek would see it).
     pub state: Decision,
-}
-
-impl Lease {
-    /// A lease, as a custom store builds one.
-    pub fn new(permits: u64, valid_until_us: u64, valid_for: Duration, state: Decision) -> Lease {
-        Lease {
-            permits,
-            valid_until_us,
-            valid_for,
-            state,
-        }
-    }
+    /// Where the permits were taken: unspent ones go back through [`Store::refund`].
+    pub taken: Taken,
 }
 
 /// Shared rate-limit state. Implementations must make each call atomic across its checks.
@@ -93,13 +92,12 @@ pub trait Store: Send + Sync + 'static {
         max_validity: Duration,
     ) -> BoxFuture<'a, Result<Lease, StoreError>>;
 
-    /// Give back `check.cost` unspent permits of a lease valid until `valid_until_us` (nothing
-    /// happens once it has expired). Returns the shared state afterwards.
-    fn release<'a>(
+    /// Give back what admissions (or a lease's unspent permits) took, each only as far as it
+    /// is still outstanding. Returns one decision per refund, as a peek right after would see it.
+    fn refund<'a>(
         &'a self,
-        check: Check<'a>,
-        valid_until_us: u64,
-    ) -> BoxFuture<'a, Result<Decision, StoreError>>;
+        refunds: &'a [Refund<'a>],
+    ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>>;
 
     /// Decide right now, without a future, when the store can (an in-process store); `None`
     /// means "await [`apply`](Store::apply)". Lets the layer skip a boxed future per request.

@@ -1,18 +1,19 @@
 -- fleetlimit: apply one operation to a batch of checks, atomically.
 --
 -- KEYS[i]: the state of check i (all keys of one call share a hash tag or a slot).
--- ARGV[1]: 'consume' | 'peek' | 'refund' | 'lease' | 'release'
+-- ARGV[1]: 'consume' | 'peek' | 'refund' | 'lease'
 -- ARGV[2]: now in µs since the epoch, or '' to read the server's clock (the fleet's one clock).
--- ARGV[3 + 8(i-1) ...]: for check i: algorithm (1 fixed window, 2 sliding log, 3 sliding
+-- ARGV[3 + 9(i-1) ...]: for check i: algorithm (1 fixed window, 2 sliding log, 3 sliding
 --   window, 4 token bucket, 5 gcra), limit, period (µs), burst, emission interval (µs),
---   token units, refill units, cost.
--- For 'lease' (one check; its cost is the most permits wanted), ARGV[11] is the longest
--- validity (µs); for 'release' (its cost is the unspent permits), ARGV[11] is the lease's
--- valid-until (µs).
--- Returns 5 integers per check: allowed (1/0), limit, remaining, reset after (µs), retry after
--- (µs, -1 when none); for 'lease' and 'release', then the permits granted, until when they are
--- valid, and for how long from now.
+--   token units, refill units, cost, and for 'refund' the receipt's anchor (µs; else '').
+-- For 'lease' (one check; its cost is the most permits wanted), the argument after the checks
+-- is the longest validity (µs).
+-- Returns 6 integers per check: allowed (1/0), limit, remaining, reset after (µs), retry after
+-- (µs, -1 when none), and where the permits were taken (the receipt's anchor, -1 when nothing
+-- was taken); for 'lease', then the permits granted, until when they are valid, for how long
+-- from now, and the block's anchor.
 local ALGORITHMS = { fixed_window, sliding_log, sliding_window, token_bucket, gcra }
+local PER_CHECK = 9
 
 local op = ARGV[1]
 local now = tonumber(ARGV[2])
@@ -22,8 +23,10 @@ if now == nil then
 end
 
 local checks = {}
+-- Checks on one key (refunds of several receipts) share one state.
+local states = {}
 for i = 1, #KEYS do
-  local a = 3 + 8 * (i - 1)
+  local a = 3 + PER_CHECK * (i - 1)
   local q = {
     limit = tonumber(ARGV[a + 1]), period = tonumber(ARGV[a + 2]), burst = tonumber(ARGV[a + 3]),
     emission = tonumber(ARGV[a + 4]), token_units = tonumber(ARGV[a + 5]),
@@ -31,43 +34,48 @@ for i = 1, #KEYS do
   }
   local alg = ALGORITHMS[tonumber(ARGV[a])]
   if alg == nil then return redis.error_reply('fleetlimit: unknown algorithm ' .. tostring(ARGV[a])) end
-  checks[i] = { alg = alg, q = q, cost = tonumber(ARGV[a + 7]), st = alg.load(KEYS[i], q) }
+  local st = states[KEYS[i]]
+  if st == nil then
+    st = alg.load(KEYS[i], q)
+    states[KEYS[i]] = st
+  end
+  checks[i] = { alg = alg, q = q, cost = tonumber(ARGV[a + 7]), at = tonumber(ARGV[a + 8]), st = st }
 end
 
 local out = {}
-local function emit(d)
+local function emit(d, taken)
   for j = 1, 5 do out[#out + 1] = d[j] end
+  out[#out + 1] = taken
 end
 
-if op == 'lease' or op == 'release' then
-  local c = checks[1]
-  local extra = tonumber(ARGV[3 + 8 * #KEYS])
-  local granted, valid_until = 0, 0
-  c.alg.decide(c.st, now, c.q, 1)
-  if op == 'lease' then
-    if c.alg.lease == nil then return redis.error_reply('fleetlimit: this algorithm cannot be leased') end
-    granted, valid_until = c.alg.lease(c.st, now, c.q, c.cost, extra)
-  elseif now < extra then
-    c.alg.refund(c.st, now, c.q, c.cost)
-  end
-  c.alg.save(c.st, now, c.q)
+-- The state as a request of cost 1 would see it, taking nothing.
+local function peek(c)
   local d = c.alg.decide(c.st, now, c.q, 1)
   if d[1] == 1 then d[3] = d[3] + 1 end
-  emit(d)
+  return d
+end
+
+if op == 'lease' then
+  local c = checks[1]
+  local max_validity = tonumber(ARGV[3 + PER_CHECK * #KEYS])
+  if c.alg.lease == nil then return redis.error_reply('fleetlimit: this algorithm cannot be leased') end
+  c.alg.decide(c.st, now, c.q, 1)
+  local granted, valid_until, at = c.alg.lease(c.st, now, c.q, c.cost, max_validity)
+  c.alg.save(c.st, now, c.q)
+  emit(peek(c), -1)
   out[#out + 1] = granted
   out[#out + 1] = valid_until
   out[#out + 1] = math.max(valid_until - now, 0)
+  out[#out + 1] = at
   return out
 end
 
 if op == 'refund' then
   for _, c in ipairs(checks) do
     c.alg.decide(c.st, now, c.q, 1)
-    c.alg.refund(c.st, now, c.q, c.cost)
+    c.alg.refund(c.st, now, c.q, c.at, c.cost)
     c.alg.save(c.st, now, c.q)
-    local d = c.alg.decide(c.st, now, c.q, 1)
-    if d[1] == 1 then d[3] = d[3] + 1 end
-    emit(d)
+    emit(peek(c), -1)
   end
   return out
 end
@@ -81,13 +89,18 @@ end
 
 for i, c in ipairs(checks) do
   local d = decisions[i]
+  local taken = -1
   if op == 'consume' and all_allowed then
-    c.alg.commit(c.st, now, c.q, c.cost)
+    taken = c.alg.commit(c.st, now, c.q, c.cost)
     c.alg.save(c.st, now, c.q)
-  elseif d[1] == 1 then
-    -- Nothing is taken: report the permits as still there.
-    d[3] = d[3] + c.cost
+  else
+    if d[1] == 1 then
+      -- Nothing is taken: report the permits as still there.
+      d[3] = d[3] + c.cost
+    end
+    -- A state read under another quota keeps its conversion (the memory store does too).
+    if c.st.dirty then c.alg.save(c.st, now, c.q) end
   end
-  emit(d)
+  emit(d, taken)
 end
 return out

@@ -1,14 +1,22 @@
--- Fixed window: src/algorithm/fixed_window.rs, line for line. State: HASH { s = start, c = count }.
+-- Fixed window: src/algorithm/fixed_window.rs, line for line.
+-- State: HASH { s = start, c = count, p = the period the window was aligned to }.
 local fixed_window = {}
 
 function fixed_window.load(key)
-  local v = hash_numbers(key, { 's', 'c' })
-  return { key = key, start = v[1] or 0, count = v[2] or 0 }
+  local v = hash_numbers(key, { 's', 'c', 'p' })
+  return { key = key, start = v[1] or 0, count = v[2] or 0, period = v[3] or 0 }
 end
 
 function fixed_window.decide(st, now, q, cost)
   local period, limit = q.period, q.limit
   local window = now - (now % period)
+  if st.period ~= period then
+    -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
+    if st.period ~= 0 then st.dirty = true end
+    if now >= st.start + st.period then st.count = 0 end
+    st.start = window
+    st.period = period
+  end
   if window > st.start then
     st.start = window
     st.count = 0
@@ -26,17 +34,18 @@ end
 
 function fixed_window.commit(st, now, q, cost)
   st.count = st.count + cost
+  return st.start
 end
 
-function fixed_window.refund(st, now, q, cost)
-  st.count = math.max(st.count - cost, 0)
+function fixed_window.refund(st, now, q, at, cost)
+  if at == st.start then st.count = math.max(st.count - cost, 0) end
 end
 
 function fixed_window.save(st, now, q)
   local expires_at = 0
   if st.count > 0 then expires_at = st.start + q.period end
   if expires_at > now then
-    redis.call('HSET', st.key, 's', int(st.start), 'c', int(st.count))
+    redis.call('HSET', st.key, 's', int(st.start), 'c', int(st.count), 'p', int(st.period))
   end
   expire_at(st.key, expires_at, now)
 end
@@ -44,5 +53,5 @@ end
 function fixed_window.lease(st, now, q, max, max_validity)
   local permits = math.min(max, math.max(q.limit - st.count, 0))
   st.count = st.count + permits
-  return permits, math.min(now + max_validity, st.start + q.period)
+  return permits, math.min(now + max_validity, st.start + q.period), st.start
 end

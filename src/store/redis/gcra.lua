@@ -1,13 +1,23 @@
--- GCRA: src/algorithm/gcra.rs, line for line. State: STRING tat (theoretical arrival time, µs).
+-- GCRA: src/algorithm/gcra.rs, line for line.
+-- State: HASH { t = theoretical arrival time (µs), e = the emission interval it was written under }.
 local gcra = {}
 
 function gcra.load(key)
-  return { key = key, tat = tonumber(redis.call('GET', key)) or 0 }
+  local v = hash_numbers(key, { 't', 'e' })
+  return { key = key, tat = v[1] or 0, emission = v[2] or 0 }
 end
 
 function gcra.decide(st, now, q, cost)
   local t, burst = q.emission, q.burst
   local horizon = burst * t
+  if st.emission ~= t then
+    if st.tat > now and st.emission ~= 0 then
+      -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
+      st.dirty = true
+      st.tat = now + rescale_ceil(st.tat - now, st.emission, t, horizon)
+    end
+    st.emission = t
+  end
   local tat = math.max(st.tat, now)
   local ahead = tat - now
   local remaining = math.floor(math.max(horizon - ahead, 0) / t)
@@ -21,19 +31,21 @@ end
 
 function gcra.commit(st, now, q, cost)
   st.tat = math.max(st.tat, now) + cost * q.emission
+  return now
 end
 
-function gcra.refund(st, now, q, cost)
-  cost = math.min(cost, q.burst)
-  st.tat = math.max(st.tat - cost * q.emission, now)
+function gcra.refund(st, now, q, at, cost)
+  local debt = math.min(cost, q.burst) * q.emission
+  local elapsed = math.max(now - at, 0)
+  if elapsed >= debt then return end
+  st.tat = math.max(st.tat - (debt - elapsed), now)
 end
 
 function gcra.save(st, now, q)
   if st.tat > now then
-    redis.call('SET', st.key, int(st.tat), 'PX', ceil_div(st.tat - now, 1000))
-  else
-    redis.call('DEL', st.key)
+    redis.call('HSET', st.key, 't', int(st.tat), 'e', int(st.emission))
   end
+  expire_at(st.key, st.tat, now)
 end
 
 function gcra.lease(st, now, q, max, max_validity)
@@ -42,5 +54,5 @@ function gcra.lease(st, now, q, max, max_validity)
   local tat = math.max(st.tat, now)
   local permits = math.min(max, math.floor(math.max(horizon - (tat - now), 0) / t))
   st.tat = tat + permits * t
-  return permits, now + max_validity
+  return permits, now + max_validity, now
 end

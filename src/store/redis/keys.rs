@@ -2,18 +2,19 @@
 
 use crate::{Algorithm, Key, Rule};
 
-/// `<prefix>{<rule>:<key>}:<algorithm>`, with rule and key percent-encoded: every byte outside
+/// `<prefix>{<key>}:<rule>:<algorithm>`, with key and rule percent-encoded: every byte outside
 /// `[A-Za-z0-9._-]` becomes `%XX`. The encoding is injective and never yields `{`, `}` or `:`,
-/// so the hash tag is exactly the (rule, key) pair and different pairs never share a key.
+/// so different (rule, key) pairs never share a Redis key. The hash tag is the key alone: every
+/// rule on one key lives on one cluster slot and decides in one atomic call.
 pub(crate) fn redis_key(prefix: &str, rule: &Rule, key: &Key) -> Vec<u8> {
     let key_bytes = key.as_bytes();
     let mut out = Vec::with_capacity(prefix.len() + rule.name().len() + 3 * key_bytes.len() + 8);
     out.extend_from_slice(prefix.as_bytes());
     out.push(b'{');
-    encode(rule.name().as_bytes(), &mut out);
-    out.push(b':');
     encode(key_bytes, &mut out);
     out.push(b'}');
+    out.push(b':');
+    encode(rule.name().as_bytes(), &mut out);
     out.extend_from_slice(match rule.quota().algorithm() {
         Algorithm::FixedWindow => b":fw",
         Algorithm::SlidingLog => b":sl",
@@ -96,6 +97,12 @@ mod tests {
         assert_ne!(a, b);
         let braces = redis_key("p:", &rule("r"), &Key::new("}{x"));
         let tag_end = braces.iter().position(|&c| c == b'}').unwrap();
-        assert_eq!(&braces[tag_end..], b"}:sw", "no brace inside the tag");
+        assert_eq!(&braces[tag_end..], b"}:r:sw", "no brace inside the tag");
+        let k = Key::new("acct");
+        assert_eq!(
+            slot(&redis_key("p:", &rule("a"), &k)),
+            slot(&redis_key("p:", &rule("b"), &k)),
+            "rules on one key share a slot"
+        );
     }
 }

@@ -5,9 +5,13 @@
 //! line; a differential test holds the two together. They are joined into one script at compile
 //! time and run with EVALSHA (loaded again on NOSCRIPT, as after a server restart).
 //!
-//! Key layout: `<prefix>{<rule>:<key>}:<algorithm>`. Rule and key are percent-encoded, so `:`,
-//! `{` and `}` never appear inside the hash tag and no two (rule, key) pairs share a Redis key;
-//! keys over 128 bytes were already replaced by their SHA-256 (see [`Key`](crate::Key)).
+//! Key layout: `<prefix>{<key>}:<rule>:<algorithm>`. Key and rule are percent-encoded, so `:`,
+//! `{` and `}` never appear inside them and no two (rule, key) pairs share a Redis key; keys over
+//! 128 bytes were already replaced by their SHA-256 (see [`Key`](crate::Key)). The hash tag is
+//! the key, so all the rules on one key decide in one atomic call on a cluster too.
+//!
+//! The scripts need Redis 5.0 or newer (script effects replication, which lets a script read
+//! `TIME` and then write); [`RedisStoreBuilder::connect`] checks the server's version.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,10 +20,10 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 
-use super::{BoxFuture, Check, Lease, Op, Store};
+use super::{BoxFuture, Check, Lease, Op, Refund, Store};
 use crate::algorithm::us;
 use crate::error::{ConfigError, Error};
-use crate::{Algorithm, Clock, Decision, StoreError};
+use crate::{Algorithm, Clock, Decision, StoreError, Taken};
 
 mod keys;
 
@@ -37,6 +41,13 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "fleetlimit:";
+
+/// The oldest Redis the scripts run on: 5.0 replicates a script's effects, so a script may read
+/// `TIME` and then write.
+pub const MIN_REDIS_VERSION: (u32, u32) = (5, 0);
+
+/// Numbers the script answers per check.
+const PER_DECISION: usize = 6;
 
 const SCRIPT: &str = concat!(
     include_str!("prelude.lua"),
@@ -190,6 +201,8 @@ impl RedisStoreBuilder {
         .await
         .map_err(|_| StoreError::Timeout(self.timeout.max(Duration::from_secs(2))))?
         .map_err(store_error)?;
+        let mut conn = manager.clone();
+        check_version(&mut conn, self.timeout.max(Duration::from_secs(2))).await?;
         Ok(self.finish(Conn::Single(manager)))
     }
 
@@ -213,6 +226,8 @@ impl RedisStoreBuilder {
         .await
         .map_err(|_| StoreError::Timeout(self.timeout.max(Duration::from_secs(5))))?
         .map_err(store_error)?;
+        let mut probe = conn.clone();
+        check_version(&mut probe, self.timeout.max(Duration::from_secs(5))).await?;
         Ok(self.finish(Conn::Cluster(conn)))
     }
 
@@ -225,6 +240,65 @@ impl RedisStoreBuilder {
             current: Mutex::new(None),
         }))
     }
+}
+
+/// Refuse a server older than [`MIN_REDIS_VERSION`], with a clear error.
+async fn check_version(
+    conn: &mut impl redis::aio::ConnectionLike,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let info: redis::Value =
+        tokio::time::timeout(timeout, redis::cmd("INFO").arg("server").query_async(conn))
+            .await
+            .map_err(|_| StoreError::Timeout(timeout))?
+            .map_err(store_error)?;
+    // A cluster answers one text per node: every node must be recent enough.
+    let mut texts = Vec::new();
+    collect_texts(&info, &mut texts);
+    let versions: Vec<&str> = texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter_map(|l| l.strip_prefix("redis_version:"))
+        .map(str::trim)
+        .collect();
+    let oldest = versions
+        .iter()
+        .map(|v| (parse_version(v), *v))
+        .min_by_key(|(parsed, _)| *parsed);
+    let version = oldest.map_or("unknown", |(_, v)| v);
+    match oldest.and_then(|(parsed, _)| parsed) {
+        Some(v) if v >= MIN_REDIS_VERSION => Ok(()),
+        _ => Err(ConfigError::Invalid {
+            setting: "url",
+            reason: format!(
+                "the server runs Redis {version:?}; fleetlimit needs Redis {}.{} or newer",
+                MIN_REDIS_VERSION.0, MIN_REDIS_VERSION.1
+            ),
+        }
+        .into()),
+    }
+}
+
+fn collect_texts(value: &redis::Value, out: &mut Vec<String>) {
+    match value {
+        redis::Value::BulkString(bytes) => out.push(String::from_utf8_lossy(bytes).into_owned()),
+        redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
+            out.push(text.clone())
+        }
+        redis::Value::Array(items) | redis::Value::Set(items) => {
+            items.iter().for_each(|v| collect_texts(v, out))
+        }
+        redis::Value::Map(pairs) => pairs.iter().for_each(|(_, v)| collect_texts(v, out)),
+        _ => {}
+    }
+}
+
+/// `"7.0.15"` → `(7, 0)`.
+fn parse_version(version: &str) -> Option<(u32, u32)> {
+    let mut parts = version.split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
 }
 
 impl RedisStore {
@@ -274,6 +348,7 @@ impl RedisStore {
             q.token_units().to_string(),
             q.refill_units().to_string(),
             check.cost.to_string(),
+            String::new(),
         ]
     }
 
@@ -291,7 +366,6 @@ fn op_name(op: Op) -> &'static str {
     match op {
         Op::Consume => "consume",
         Op::Peek => "peek",
-        Op::Refund => "refund",
     }
 }
 
@@ -323,15 +397,38 @@ fn store_error(e: RedisError) -> StoreError {
 impl Inner {
     /// One script call for `checks`, within the deadline.
     async fn invoke(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
-        let values = self.call(op_name(op), checks, None).await?;
+        let values = self.call(op_name(op), checks, &[], None).await?;
+        let mut decisions = parse_decisions(&values, checks.len())?;
+        for (d, c) in decisions.iter_mut().zip(checks) {
+            if let Some(taken) = d.taken.as_mut() {
+                taken.cost = c.cost;
+            }
+        }
+        Ok(decisions)
+    }
+
+    /// One script call giving back what `refunds` took (one slot).
+    async fn invoke_refund(&self, refunds: &[Refund<'_>]) -> Result<Vec<Decision>, StoreError> {
+        let checks: Vec<Check<'_>> = refunds
+            .iter()
+            .map(|r| Check {
+                rule: r.rule,
+                key: r.key,
+                cost: r.taken.cost,
+            })
+            .collect();
+        let anchors: Vec<u64> = refunds.iter().map(|r| r.taken.at).collect();
+        let values = self.call("refund", &checks, &anchors, None).await?;
         parse_decisions(&values, checks.len())
     }
 
-    /// Run the script: `op` on `checks`, with `extra` as the last argument (lease and release).
+    /// Run the script: `op` on `checks`, with receipts' `anchors` (refunds) and `extra` as the
+    /// last argument (lease).
     async fn call(
         &self,
         op: &str,
         checks: &[Check<'_>],
+        anchors: &[u64],
         extra: Option<u64>,
     ) -> Result<Vec<i64>, StoreError> {
         let mut invocation = self.script.prepare_invoke();
@@ -343,7 +440,7 @@ impl Inner {
             Some(clock) => invocation.arg(clock.now_us()),
             None => invocation.arg(""),
         };
-        for c in checks {
+        for (i, c) in checks.iter().enumerate() {
             let q = c.rule.quota();
             invocation
                 .arg(algorithm_code(q.algorithm()))
@@ -354,6 +451,10 @@ impl Inner {
                 .arg(q.token_units())
                 .arg(q.refill_units())
                 .arg(c.cost);
+            match anchors.get(i) {
+                Some(at) => invocation.arg(*at),
+                None => invocation.arg(""),
+            };
         }
         if let Some(extra) = extra {
             invocation.arg(extra);
@@ -409,15 +510,15 @@ impl Inner {
 }
 
 fn parse_decisions(values: &[i64], n: usize) -> Result<Vec<Decision>, StoreError> {
-    if values.len() != 5 * n {
+    if values.len() != PER_DECISION * n {
         return Err(StoreError::Protocol(format!(
             "expected {} numbers from the script, got {}",
-            5 * n,
+            PER_DECISION * n,
             values.len()
         )));
     }
     values
-        .chunks_exact(5)
+        .chunks_exact(PER_DECISION)
         .map(|v| {
             let non_negative = |x: i64| {
                 u64::try_from(x)
@@ -433,33 +534,42 @@ fn parse_decisions(values: &[i64], n: usize) -> Result<Vec<Decision>, StoreError
             } else {
                 Some(us(v[4] as u64))
             };
-            Ok(if v[0] == 1 {
+            let mut d = if v[0] == 1 {
                 Decision::admit(limit, remaining, us(reset))
             } else {
                 Decision::deny(limit, remaining, us(reset), retry)
-            })
+            };
+            d.taken = u64::try_from(v[5]).ok().map(|at| Taken { at, cost: 0 });
+            Ok(d)
         })
         .collect()
 }
 
+/// Indexes of `items` grouped by cluster slot, in order of first appearance.
+fn slot_groups(keys: impl Iterator<Item = Vec<u8>>) -> Vec<(u16, Vec<usize>)> {
+    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+    for (i, key) in keys.enumerate() {
+        let s = slot(&key);
+        match groups.iter_mut().find(|(g, _)| *g == s) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((s, vec![i])),
+        }
+    }
+    groups
+}
+
 impl RedisStore {
-    /// On a cluster, checks whose keys sit on different slots cannot share one script call (one
-    /// slot: one call, as on a standalone server).
-    /// They are consumed group by group; if a later group denies, the earlier groups are
-    /// refunded, so nothing is over-admitted (permits are briefly held, never granted twice).
+    /// On a cluster, checks whose keys sit on different slots cannot share one script call (the
+    /// rules of one key always share a slot: the hash tag is the key). They are consumed group by
+    /// group; if a later group denies, what the earlier groups took is given back through their
+    /// receipts, so nothing is over-admitted (permits are briefly held, never granted twice).
     async fn apply_across_slots(
         &self,
         op: Op,
         checks: &[Check<'_>],
     ) -> Result<Vec<Decision>, StoreError> {
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, c) in checks.iter().enumerate() {
-            let s = slot(&redis_key(&self.inner.prefix, c.rule, c.key));
-            match groups.iter_mut().find(|(g, _)| *g == s) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((s, vec![i])),
-            }
-        }
+        let prefix = &self.inner.prefix;
+        let groups = slot_groups(checks.iter().map(|c| redis_key(prefix, c.rule, c.key)));
         if groups.len() == 1 {
             return self.inner.invoke(op, checks).await;
         }
@@ -468,11 +578,7 @@ impl RedisStore {
         let mut denied = false;
         for (_, members) in &groups {
             let group: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            let group_op = if denied && op == Op::Consume {
-                Op::Peek
-            } else {
-                op
-            };
+            let group_op = if denied { Op::Peek } else { op };
             let decisions = self.inner.invoke(group_op, &group).await?;
             let all_allowed = decisions.iter().all(|d| d.allowed);
             for (&i, d) in members.iter().zip(decisions) {
@@ -487,21 +593,43 @@ impl RedisStore {
             }
         }
         if denied && !taken.is_empty() {
-            let refunds: Vec<Check<'_>> = taken.iter().map(|&i| checks[i]).collect();
-            for c in &refunds {
-                // One call per check: each may sit on its own slot.
-                if let Err(error) = self.inner.invoke(Op::Refund, std::slice::from_ref(c)).await {
-                    tracing::warn!(%error, rule = c.rule.name(), "fleetlimit: refund after a cross-slot denial failed; permits stay taken until they expire");
-                }
-            }
-            for &i in &taken {
-                if let Some(d) = out[i].as_mut() {
+            let refunds: Vec<Refund<'_>> = taken
+                .iter()
+                .filter_map(|&i| {
+                    let d = out[i].as_mut()?;
                     d.remaining += checks[i].cost;
-                }
+                    Some(Refund {
+                        rule: checks[i].rule,
+                        key: checks[i].key,
+                        taken: d.taken.take()?,
+                    })
+                })
+                .collect();
+            if let Err(error) = self.refund_grouped(&refunds).await {
+                tracing::warn!(%error, "fleetlimit: refund after a cross-slot denial failed; permits stay taken until they expire");
             }
         }
         out.into_iter()
             .map(|d| d.ok_or_else(|| StoreError::Protocol("a check got no decision".into())))
+            .collect()
+    }
+
+    /// Refunds, one script call per slot group.
+    async fn refund_grouped(&self, refunds: &[Refund<'_>]) -> Result<Vec<Decision>, StoreError> {
+        if !self.is_cluster() || refunds.len() < 2 {
+            return self.inner.invoke_refund(refunds).await;
+        }
+        let prefix = &self.inner.prefix;
+        let groups = slot_groups(refunds.iter().map(|r| redis_key(prefix, r.rule, r.key)));
+        let mut out: Vec<Option<Decision>> = vec![None; refunds.len()];
+        for (_, members) in &groups {
+            let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
+            for (&i, d) in members.iter().zip(self.inner.invoke_refund(&group).await?) {
+                out[i] = Some(d);
+            }
+        }
+        out.into_iter()
+            .map(|d| d.ok_or_else(|| StoreError::Protocol("a refund got no decision".into())))
             .collect()
     }
 }
@@ -516,43 +644,49 @@ impl Store for RedisStore {
             let max_validity_us = max_validity.as_micros().min(u128::from(u64::MAX / 4)) as u64;
             let values = self
                 .inner
-                .call("lease", &[check], Some(max_validity_us))
+                .call("lease", &[check], &[], Some(max_validity_us))
                 .await?;
-            let (decision, rest) = match values.len() {
-                8 => (parse_decisions(&values[..5], 1)?, &values[5..]),
-                n => {
-                    return Err(StoreError::Protocol(format!(
-                        "a lease answers 8 numbers, got {n}"
-                    )))
-                }
-            };
-            let permits = u64::try_from(rest[0]).unwrap_or(0);
-            let valid_until_us = u64::try_from(rest[1]).unwrap_or(0);
-            // Redis keeps the time; the caller measures `valid_for` from before it asked, so its
-            // own deadline is never later than Redis's.
-            let valid_for = Duration::from_micros(u64::try_from(rest[2]).unwrap_or(0));
-            let state = decision
+            if values.len() != PER_DECISION + 4 {
+                return Err(StoreError::Protocol(format!(
+                    "a lease answers {} numbers, got {}",
+                    PER_DECISION + 4,
+                    values.len()
+                )));
+            }
+            let (decision, rest) = values.split_at(PER_DECISION);
+            let state = parse_decisions(decision, 1)?
                 .into_iter()
                 .next()
                 .ok_or_else(|| StoreError::Protocol("no decision".into()))?;
-            Ok(Lease::new(permits, valid_until_us, valid_for, state))
+            let number = |x: i64| {
+                u64::try_from(x)
+                    .map_err(|_| StoreError::Protocol(format!("negative value {x} in a lease")))
+            };
+            let permits = number(rest[0])?;
+            // Redis keeps the time; the caller measures `valid_for` from before it asked, so its
+            // own deadline is never later than Redis's.
+            Ok(Lease {
+                permits,
+                valid_until_us: number(rest[1])?,
+                valid_for: Duration::from_micros(number(rest[2])?),
+                state,
+                taken: Taken {
+                    at: number(rest[3])?,
+                    cost: permits,
+                },
+            })
         })
     }
 
-    fn release<'a>(
+    fn refund<'a>(
         &'a self,
-        check: Check<'a>,
-        valid_until_us: u64,
-    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        refunds: &'a [Refund<'a>],
+    ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
         Box::pin(async move {
-            let values = self
-                .inner
-                .call("release", &[check], Some(valid_until_us))
-                .await?;
-            parse_decisions(values.get(..5).unwrap_or(&[]), 1)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| StoreError::Protocol("no decision".into()))
+            if refunds.is_empty() {
+                return Ok(Vec::new());
+            }
+            self.refund_grouped(refunds).await
         })
     }
 

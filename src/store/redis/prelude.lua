@@ -27,3 +27,10 @@ local function hash_numbers(key, fields)
   end
   return out
 end
+
+-- A quantity used, read in another scale, never less than it was: src/algorithm/mod.rs
+-- rescale_ceil.
+local function rescale_ceil(value, from, to, cap)
+  if value == 0 or from == 0 or from == to then return math.min(value, cap) end
+  return math.min(math.ceil(value * to / from) + 1, cap)
+end

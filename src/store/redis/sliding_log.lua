@@ -52,11 +52,13 @@ function sliding_log.commit(st, now, q, cost)
     redis.call('RPUSH', st.key, unpack(batch, 1, n))
     left = left - n
   end
+  return st.now
 end
 
-function sliding_log.refund(st, now, q, cost)
-  local len = redis.call('LLEN', st.key)
-  if len > 0 then redis.call('RPOP', st.key, math.min(cost, len)) end
+-- Remove up to `cost` entries of the receipt's timestamp, newest first: never another
+-- request's entry. LREM exists in every Redis version.
+function sliding_log.refund(st, now, q, at, cost)
+  redis.call('LREM', st.key, -cost, int(at))
 end
 
 function sliding_log.save(st, now, q)

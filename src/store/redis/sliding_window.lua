@@ -1,10 +1,11 @@
 -- Sliding window counter: src/algorithm/sliding_window.rs, line for line.
--- State: HASH { s = start of the current window, p = previous count, c = current count }.
+-- State: HASH { s = start of the current window, p = previous count, c = current count,
+-- w = the period the windows were aligned to }.
 local sliding_window = {}
 
 function sliding_window.load(key)
-  local v = hash_numbers(key, { 's', 'p', 'c' })
-  return { key = key, start = v[1] or 0, previous = v[2] or 0, current = v[3] or 0 }
+  local v = hash_numbers(key, { 's', 'p', 'c', 'w' })
+  return { key = key, start = v[1] or 0, previous = v[2] or 0, current = v[3] or 0, period = v[4] or 0 }
 end
 
 local function sw_reset_after(st, now, period)
@@ -36,6 +37,15 @@ function sliding_window.decide(st, now, q, cost)
   local period, limit = q.period, q.limit
   local p_ms = period / 1000
   local window = now - (now % period)
+  if st.period ~= period then
+    -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
+    if st.period ~= 0 then st.dirty = true end
+    local old = st.period
+    local previous, current = 0, 0
+    if now < st.start + old then previous = st.previous end
+    if now < st.start + 2 * old then current = st.current end
+    st.start, st.previous, st.current, st.period = window, 0, previous + current, period
+  end
   if window > st.start then
     if window == st.start + period then
       st.previous = st.current
@@ -59,10 +69,15 @@ end
 
 function sliding_window.commit(st, now, q, cost)
   st.current = st.current + cost
+  return st.start
 end
 
-function sliding_window.refund(st, now, q, cost)
-  st.current = math.max(st.current - cost, 0)
+function sliding_window.refund(st, now, q, at, cost)
+  if at == st.start then
+    st.current = math.max(st.current - cost, 0)
+  elseif at + st.period == st.start then
+    st.previous = math.max(st.previous - cost, 0)
+  end
 end
 
 function sliding_window.save(st, now, q)
@@ -73,7 +88,8 @@ function sliding_window.save(st, now, q)
     expires_at = st.start + q.period
   end
   if expires_at > now then
-    redis.call('HSET', st.key, 's', int(st.start), 'p', int(st.previous), 'c', int(st.current))
+    redis.call('HSET', st.key, 's', int(st.start), 'p', int(st.previous), 'c', int(st.current),
+      'w', int(st.period))
   end
   expire_at(st.key, expires_at, now)
 end
@@ -85,5 +101,5 @@ function sliding_window.lease(st, now, q, max, max_validity)
   local room = math.floor(math.max(q.limit * p_ms - weighted, 0) / p_ms)
   local permits = math.min(max, room)
   st.current = st.current + permits
-  return permits, math.min(now + max_validity, st.start + q.period)
+  return permits, math.min(now + max_validity, st.start + q.period), st.start
 end
