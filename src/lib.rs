@@ -62,7 +62,9 @@ pub use limiter::{
     BreakerConfig, BreakerState, InfallibleStore, LeaseConfig, Limiter, LimiterBuilder,
     LimiterStats, OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE,
 };
-pub use quota::{Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_PERIOD};
+pub use quota::{
+    Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_HEADER_INTEGER, MAX_PERIOD,
+};
 pub use rule::Rule;
 pub use store::{MemoryStore, RedisStore, Store};
 

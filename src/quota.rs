@@ -9,6 +9,9 @@ use crate::error::ConfigError;
 /// doubles, exact up to 2^53; 2^50 leaves room for the sums of these products with timestamps.
 pub(crate) const EXACT_MAX: u128 = 1 << 50;
 
+/// The largest integer a Structured Field (RFC 8941) can carry, and so the largest limit or burst.
+pub const MAX_HEADER_INTEGER: u64 = 999_999_999_999_999;
+
 /// The longest period accepted: long enough for any real quota, short enough that every timestamp
 /// sum stays exact.
 pub const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
@@ -279,6 +282,18 @@ impl QuotaBuilder {
             }
         };
         exact("limit", u128::from(limit))?;
+        // Limits and bursts appear in headers: a Structured Field integer has 15 digits at most.
+        for (what, value) in [
+            ("limit (a header integer has at most 15 digits)", limit),
+            ("burst (a header integer has at most 15 digits)", burst),
+        ] {
+            if value > MAX_HEADER_INTEGER {
+                return Err(ConfigError::Overflow {
+                    what,
+                    value: u128::from(value),
+                });
+            }
+        }
         let mut emission_us = 0;
         let g = gcd(period_us, limit);
         let (token_units, refill_units) = (period_us / g, limit / g);
@@ -381,6 +396,17 @@ mod tests {
             Quota::per_day(1 << 40).build(),
             Err(ConfigError::Overflow { .. })
         ));
+        // Within Lua's exact range, but past a header integer's 15 digits.
+        assert!(matches!(
+            Quota::per_day(1_000_000_000_000_000)
+                .algorithm(Algorithm::FixedWindow)
+                .build(),
+            Err(ConfigError::Overflow { what, .. }) if what.contains("15 digits")
+        ));
+        assert!(Quota::per_day(999_999_999_999_999)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .is_ok());
         assert!(matches!(
             Quota::per_second(2_000_000)
                 .algorithm(Algorithm::Gcra)

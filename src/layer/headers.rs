@@ -123,11 +123,13 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
             _ => ceil_secs(d.reset_after),
         };
         // Rule names are visible ASCII without quotes or backslashes (checked by `Rule::new`),
-        // so they are valid Structured Field strings as they are.
+        // so they are valid Structured Field strings as they are. `q` is the budget a client
+        // can spend at once: a bucket's burst, not its refill rate. Quotas never exceed the 15
+        // digits of a Structured Field integer (checked when the quota is built).
         policy.push_str(&format!(
             "\"{}\";q={};w={}",
             rule.name(),
-            rule.quota().limit(),
+            rule.quota().capacity(),
             window
         ));
         state.push_str(&format!("\"{}\";r={};t={}", rule.name(), d.remaining, t));
@@ -151,6 +153,44 @@ mod tests {
         assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
         assert_eq!(ceil_millis(Duration::from_micros(1)), 1);
         assert_eq!(ceil_millis(Duration::from_micros(2000)), 2);
+    }
+
+    #[test]
+    fn ietf_policy_states_a_buckets_burst_and_parses_as_structured_fields() {
+        let bucket = Rule::new(
+            "b",
+            crate::Quota::per_second(10)
+                .algorithm(crate::Algorithm::TokenBucket)
+                .burst(50)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let d = Decision::admit(50, 49, Duration::from_millis(100));
+        let mut headers = HeaderMap::new();
+        HeaderStyle::Ietf.write(&[&bucket], &[d], &d, &mut headers);
+        assert_eq!(headers[&POLICY], "\"b\";q=50;w=1");
+        assert_eq!(headers[&RATELIMIT], "\"b\";r=49;t=1");
+        // The largest quota a Structured Field integer can carry still renders and parses.
+        let big = Rule::new(
+            "big",
+            crate::Quota::per_day(999_999_999_999_999)
+                .algorithm(crate::Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let d = Decision::admit(999_999_999_999_999, 999_999_999_999_998, Duration::ZERO);
+        let mut headers = HeaderMap::new();
+        HeaderStyle::Ietf.write(&[&big], &[d], &d, &mut headers);
+        for name in [&POLICY, &RATELIMIT] {
+            let value = headers[name].as_bytes();
+            assert!(
+                sfv::Parser::new(value).parse::<sfv::List>().is_ok(),
+                "{:?}",
+                headers[name]
+            );
+        }
     }
 
     #[test]

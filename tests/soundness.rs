@@ -1,0 +1,235 @@
+//! Nothing the limiter does may create a permit: refunds across window boundaries and after
+//! refills, quota changes while two versions of a deploy write one key, on the memory store and
+//! on a real redis-server, through the limiter and through the layer.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::{routing::get, Router};
+use fleetlimit::store::RedisStore;
+use fleetlimit::{
+    Algorithm, Key, Limiter, ManualClock, MemoryStore, OnStoreError, Quota, RateLimitLayer, Rule,
+    Scope,
+};
+use support::redis::RedisServer;
+use tower::ServiceExt;
+
+/// 2025-01-01T00:00:00Z in µs: aligned to every whole-second period.
+const T0: u64 = 1_735_689_600_000_000;
+
+fn rule(algorithm: Algorithm, limit: u64, burst: Option<u64>) -> Rule {
+    let mut q = Quota::per_second(limit).algorithm(algorithm);
+    if let Some(b) = burst {
+        q = q.burst(b);
+    }
+    Rule::new("r", q.build().unwrap()).unwrap()
+}
+
+/// Where the limiters of one test keep their state.
+enum Backend {
+    Memory(MemoryStore),
+    Redis(RedisServer),
+}
+
+impl Backend {
+    fn memory(clock: &ManualClock) -> Backend {
+        Backend::Memory(MemoryStore::builder().clock(clock.clone()).build().unwrap())
+    }
+
+    /// A limiter on this backend, on the shared manual clock.
+    async fn limiter(&self, rule: Rule, clock: &ManualClock) -> Limiter {
+        match self {
+            Backend::Memory(store) => Limiter::builder(store.clone()).rule(rule).build().unwrap(),
+            Backend::Redis(server) => {
+                let store = RedisStore::builder()
+                    .timeout(Duration::from_secs(2))
+                    .clock(clock.clone())
+                    .connect(&server.url())
+                    .await
+                    .unwrap();
+                Limiter::builder(store)
+                    .rule(rule)
+                    .on_store_error(OnStoreError::fail_closed())
+                    .deadline(Duration::from_secs(2))
+                    .deny_cache(0)
+                    .build()
+                    .unwrap()
+            }
+        }
+    }
+}
+
+async fn each_backend(test: impl AsyncFn(Backend, ManualClock, &'static str)) {
+    let clock = ManualClock::new(T0);
+    test(Backend::memory(&clock), clock, "memory").await;
+    let clock = ManualClock::new(T0);
+    test(Backend::Redis(RedisServer::start()), clock, "redis").await;
+}
+
+/// Fixed window, 3 per second: consume at 0.999 s, three at 1.000 s, refund the first: a fourth
+/// must not be admitted in the second window.
+#[tokio::test]
+async fn a_refund_in_the_next_window_gives_that_window_nothing() {
+    each_backend(async |backend, clock, name| {
+        clock.set(T0 + 999_000);
+        let limiter = backend
+            .limiter(rule(Algorithm::FixedWindow, 3, None), &clock)
+            .await;
+        let k = Key::new("fw");
+        let (d, early) = limiter.consume_with_receipt(&k, 1).await.unwrap();
+        assert!(d.allowed);
+        clock.set(T0 + 1_000_000);
+        for left in [2, 1, 0] {
+            assert_eq!(
+                limiter.consume(&k, 1).await.unwrap().remaining,
+                left,
+                "{name}"
+            );
+        }
+        limiter.refund(early.unwrap()).await.unwrap();
+        clock.set(T0 + 1_000_020);
+        assert!(
+            !limiter.consume(&k, 1).await.unwrap().allowed,
+            "{name}: 4 admitted in the second window"
+        );
+    })
+    .await;
+}
+
+/// Sliding log, 2 per second: A at 0.0 s, B at 0.5 s, A refunded at 0.6 s: C at 1.0 s is
+/// admitted (only B remains), D is not.
+#[tokio::test]
+async fn a_log_refund_removes_its_own_entry() {
+    each_backend(async |backend, clock, name| {
+        let limiter = backend
+            .limiter(rule(Algorithm::SlidingLog, 2, None), &clock)
+            .await;
+        let k = Key::new("sl");
+        let (_, a) = limiter.consume_with_receipt(&k, 1).await.unwrap();
+        clock.set(T0 + 500_000);
+        assert!(limiter.consume(&k, 1).await.unwrap().allowed);
+        clock.set(T0 + 600_000);
+        limiter.refund(a.unwrap()).await.unwrap();
+        clock.set(T0 + 1_000_000);
+        assert!(limiter.consume(&k, 1).await.unwrap().allowed, "{name}: C");
+        assert!(
+            !limiter.consume(&k, 1).await.unwrap().allowed,
+            "{name}: D makes B, C, D in (0, 1]"
+        );
+    })
+    .await;
+}
+
+/// Token bucket and GCRA, burst 10 at 10/s: X at 0 s, full again by 0.2 s, ten admitted at 0.2 s,
+/// X refunded: no eleventh.
+#[tokio::test]
+async fn a_bucket_refund_after_refill_gives_nothing() {
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        each_backend(async |backend, clock, name| {
+            let limiter = backend.limiter(rule(algorithm, 10, Some(10)), &clock).await;
+            let k = Key::new("tb");
+            let (_, x) = limiter.consume_with_receipt(&k, 1).await.unwrap();
+            clock.set(T0 + 200_000);
+            for _ in 0..10 {
+                assert!(limiter.consume(&k, 1).await.unwrap().allowed);
+            }
+            limiter.refund(x.unwrap()).await.unwrap();
+            assert!(
+                !limiter.consume(&k, 1).await.unwrap().allowed,
+                "{name} {algorithm}: 11 in zero time"
+            );
+        })
+        .await;
+    }
+}
+
+/// Two versions of a deploy on one key: the old one at 1001/s, the new at 1000/s, alternating
+/// requests at one instant. Together they never pass the larger budget (1001), for every
+/// algorithm.
+#[tokio::test]
+async fn two_quotas_on_one_key_never_pass_the_larger() {
+    for algorithm in Algorithm::ALL {
+        each_backend(async |backend, clock, name| {
+            let old = backend.limiter(rule(algorithm, 1001, None), &clock).await;
+            let new = backend.limiter(rule(algorithm, 1000, None), &clock).await;
+            let k = Key::new("deploy");
+            // The old version takes 1000 of its 1001; then both hammer the key.
+            assert!(old.consume(&k, 1000).await.unwrap().allowed);
+            let mut admitted = 1000;
+            for i in 0..400 {
+                let limiter = if i % 2 == 0 { &new } else { &old };
+                if limiter.consume(&k, 1).await.unwrap().allowed {
+                    admitted += 1;
+                }
+            }
+            assert!(admitted <= 1001, "{name} {algorithm}: {admitted} admitted");
+        })
+        .await;
+    }
+}
+
+/// The layer refunds through the receipt of the request it admitted: a slow handler that spans a
+/// window boundary and fails gives the new window nothing.
+#[tokio::test]
+async fn a_slow_failing_handler_across_a_boundary_creates_no_permit() {
+    each_backend(async |backend, clock, name| {
+        clock.set(T0 + 999_000);
+        let limiter = backend
+            .limiter(rule(Algorithm::FixedWindow, 3, None), &clock)
+            .await;
+        let (gate, arrived) = (
+            Arc::new(tokio::sync::Notify::new()),
+            Arc::new(tokio::sync::Notify::new()),
+        );
+        let (handler_gate, handler_arrived) = (gate.clone(), arrived.clone());
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .route(
+                "/slow",
+                get(move || {
+                    let (gate, arrived) = (handler_gate.clone(), handler_arrived.clone());
+                    async move {
+                        arrived.notify_one();
+                        gate.notified().await;
+                        (StatusCode::INTERNAL_SERVER_ERROR, "boom")
+                    }
+                }),
+            )
+            .layer(
+                RateLimitLayer::builder(limiter)
+                    .scope("r", Scope::new().refund_if(|s| s.is_server_error()))
+                    .build()
+                    .unwrap(),
+            );
+        let send = |path: &'static str| {
+            let app = app.clone();
+            async move {
+                let mut req = Request::get(path).body(Body::empty()).unwrap();
+                req.extensions_mut()
+                    .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+                app.oneshot(req).await.unwrap().status()
+            }
+        };
+        let slow = tokio::spawn(send("/slow"));
+        // The slow request is admitted (at 0.999 s) before its handler runs.
+        arrived.notified().await;
+        clock.set(T0 + 1_000_000);
+        for _ in 0..3 {
+            assert_eq!(send("/").await, StatusCode::OK, "{name}");
+        }
+        gate.notify_one();
+        assert_eq!(slow.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
+        clock.set(T0 + 1_000_020);
+        assert_eq!(
+            send("/").await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{name}: the refund gave the second window a fourth permit"
+        );
+    })
+    .await;
+}
