@@ -12,8 +12,9 @@
 //! behind now), so a refund moves it back by `cost × T − elapsed` at most, never before now.
 //!
 //! Quota changes: the state records its emission interval. A TAT written under another interval
-//! is converted to the same number of permits used (`ahead × T_new / T_old`, rounded up, capped
-//! at the new burst), so two quotas writing one key never admit more than the larger burst.
+//! is converted to the same number of permits used (`ahead × T_new / T_old`, rounded up; kept
+//! even past the new burst, so the other quota reading it back sees the same debt), so two
+//! quotas writing one key never admit more than the larger burst.
 
 use super::{never, rescale_ceil, us};
 use crate::{Decision, Quota, Taken};
@@ -33,7 +34,7 @@ impl Gcra {
         let horizon = burst * t;
         if self.emission != t {
             if self.tat > now && self.emission != 0 {
-                self.tat = now + rescale_ceil(self.tat - now, self.emission, t, horizon);
+                self.tat = now + rescale_ceil(self.tat - now, self.emission, t);
             }
             self.emission = t;
         }

@@ -132,18 +132,21 @@ pub(crate) fn div_ceil(a: u64, b: u64) -> u64 {
     a.div_ceil(b)
 }
 
-/// `value × to / from`, rounded up and then one more, at most `cap` (≤ 2^50); 0 stays 0: a
+/// The most a converted quantity may hold: 2^52 still adds to a timestamp exactly in a double.
+pub(crate) const RESCALE_CAP: u64 = 1 << 52;
+
+/// `value × to / from`, rounded up and then one more, at most [`RESCALE_CAP`]; 0 stays 0: a
 /// quantity used (a bucket's missing units, a TAT's lead) read in another scale, never less
 /// than it was. Computed in doubles exactly as the Lua twin computes it
-/// (`math.min(math.ceil(value * to / from) + 1, cap)`): the product may pass 2^53, and the result
-/// is within ¼ of the exact quotient, so one more is never below it.
-pub(crate) fn rescale_ceil(value: u64, from: u64, to: u64, cap: u64) -> u64 {
+/// (`math.min(math.ceil(value * to / from) + 1, 2^52)`): the product may pass 2^53, and below
+/// the cap the result is within ½ of the exact quotient, so one more is never below it.
+pub(crate) fn rescale_ceil(value: u64, from: u64, to: u64) -> u64 {
     if value == 0 || from == 0 || from == to {
-        return value.min(cap);
+        return value;
     }
     let x = (value as f64 * to as f64 / from as f64).ceil() + 1.0;
-    if x >= cap as f64 {
-        cap
+    if x >= RESCALE_CAP as f64 {
+        RESCALE_CAP
     } else {
         x as u64
     }

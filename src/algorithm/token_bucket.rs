@@ -15,8 +15,9 @@
 //!
 //! Quota changes: the state is what a full bucket misses, with its scale (units per token); a
 //! state written under another scale is converted to the same number of missing tokens, rounded
-//! up, at most the new burst (a full bucket stays full). Two quotas writing one key therefore
-//! never hold more than the larger burst, and refill at most at the faster rate.
+//! up (a full bucket stays full). The debt is kept even where it exceeds a smaller bucket, so two
+//! quotas writing one key never hold more than the larger burst, and refill at most at the
+//! faster rate.
 
 use super::{div_ceil, never, rescale_ceil, us};
 use crate::{Decision, Quota, Taken};
@@ -51,11 +52,11 @@ impl TokenBucket {
         let burst = quota.burst();
         let full = burst * scale;
         if self.scale != scale {
-            self.missing = rescale_ceil(self.missing, self.scale, scale, full);
+            self.missing = rescale_ceil(self.missing, self.scale, scale);
             self.scale = scale;
         }
-        // A state left by a rule with a larger burst misses at most the whole bucket.
-        self.missing = self.missing.min(full);
+        // A state left by a rule with a larger burst may miss more than this whole bucket: it
+        // keeps that debt, so the larger rule reading it back never sees permits come back.
         // Refill, without multiplying a long idle time by the rate (it could overflow).
         let elapsed = now.saturating_sub(self.last);
         if elapsed >= div_ceil(self.missing, rate) {
@@ -65,7 +66,7 @@ impl TokenBucket {
         }
         self.last = self.last.max(now);
 
-        let units = full - self.missing;
+        let units = full.saturating_sub(self.missing);
         let remaining = units / scale;
         let reset_after = div_ceil(self.missing, rate);
         if cost > burst {
@@ -76,7 +77,8 @@ impl TokenBucket {
             let left = units - need;
             Decision::admit(burst, left / scale, us(div_ceil(full - left, rate)))
         } else {
-            let retry = div_ceil(need - units, rate);
+            // The wait until `missing` has fallen to `full - need` (it may exceed `full`).
+            let retry = div_ceil(self.missing + need - full, rate);
             Decision::deny(burst, remaining, us(reset_after), Some(us(retry)))
         }
     }
@@ -102,7 +104,7 @@ impl TokenBucket {
     /// Take up to `max` whole tokens; returns how many.
     pub(crate) fn take_up_to(&mut self, quota: &Quota, max: u64) -> u64 {
         let scale = quota.token_units();
-        let units = quota.burst() * scale - self.missing;
+        let units = (quota.burst() * scale).saturating_sub(self.missing);
         let permits = max.min(units / scale);
         self.missing += permits * scale;
         permits

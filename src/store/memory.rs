@@ -900,6 +900,37 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Eviction's promise, over random quotas and sprays: a key refused until T is refused
+        /// until T however many fresh keys pass meanwhile, and the store stays bounded.
+        #[test]
+        fn a_refused_key_stays_refused_through_any_spray(
+            algorithm in proptest::sample::select(Algorithm::ALL.to_vec()),
+            limit in 1u64..8,
+            max_keys in 16usize..200,
+            spray in 1usize..3_000,
+            step_us in 0u64..2_000,
+        ) {
+            let clock = ManualClock::new(1_735_689_600_000_000);
+            let s = store(&clock, max_keys);
+            let r = Rule::new("r", Quota::per_minute(limit).algorithm(algorithm).build().unwrap())
+                .unwrap();
+            let victim = Key::new("victim");
+            while s.apply_now(Op::Consume, &one(&r, &victim, 1))[0].allowed {}
+            let denied = s.apply_now(Op::Consume, &one(&r, &victim, 1))[0];
+            let until = clock.now_us() + denied.retry_after.unwrap().as_micros() as u64;
+            for i in 0..spray {
+                s.apply_now(Op::Consume, &one(&r, &Key::new(format!("spray-{i}")), 1));
+                if clock.now_us() + step_us < until {
+                    clock.advance(Duration::from_micros(step_us));
+                }
+            }
+            proptest::prop_assert!(s.len() <= max_keys);
+            let d = s.apply_now(Op::Consume, &one(&r, &victim, 1))[0];
+            proptest::prop_assert!(!d.allowed, "reset by the spray: {:?}", d);
+        }
+    }
+
     #[test]
     fn when_every_entry_is_restrictive_new_keys_share_an_overflow_state() {
         let clock = ManualClock::default();

@@ -14,7 +14,7 @@ function gcra.decide(st, now, q, cost)
     if st.tat > now and st.emission ~= 0 then
       -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
       st.dirty = true
-      st.tat = now + rescale_ceil(st.tat - now, st.emission, t, horizon)
+      st.tat = now + rescale_ceil(st.tat - now, st.emission, t)
     end
     st.emission = t
   end

@@ -30,7 +30,8 @@ end
 
 -- A quantity used, read in another scale, never less than it was: src/algorithm/mod.rs
 -- rescale_ceil.
-local function rescale_ceil(value, from, to, cap)
-  if value == 0 or from == 0 or from == to then return math.min(value, cap) end
-  return math.min(math.ceil(value * to / from) + 1, cap)
+local RESCALE_CAP = 4503599627370496 -- 2^52
+local function rescale_ceil(value, from, to)
+  if value == 0 or from == 0 or from == to then return value end
+  return math.min(math.ceil(value * to / from) + 1, RESCALE_CAP)
 end

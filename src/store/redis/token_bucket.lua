@@ -14,10 +14,9 @@ function token_bucket.decide(st, now, q, cost)
   if st.scale ~= scale then
     -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
     st.dirty = true
-    st.missing = rescale_ceil(st.missing, st.scale, scale, full)
+    st.missing = rescale_ceil(st.missing, st.scale, scale)
     st.scale = scale
   end
-  st.missing = math.min(st.missing, full)
   local elapsed = math.max(now - st.last, 0)
   if elapsed >= ceil_div(st.missing, rate) then
     st.missing = 0
@@ -26,7 +25,7 @@ function token_bucket.decide(st, now, q, cost)
   end
   st.last = math.max(st.last, now)
 
-  local units = full - st.missing
+  local units = math.max(full - st.missing, 0)
   local remaining = math.floor(units / scale)
   local reset_after = ceil_div(st.missing, rate)
   if cost > burst then return { 0, burst, remaining, reset_after, -1 } end
@@ -35,7 +34,7 @@ function token_bucket.decide(st, now, q, cost)
     local left = units - need
     return { 1, burst, math.floor(left / scale), ceil_div(full - left, rate), -1 }
   end
-  return { 0, burst, remaining, reset_after, ceil_div(need - units, rate) }
+  return { 0, burst, remaining, reset_after, ceil_div(st.missing + need - full, rate) }
 end
 
 function token_bucket.commit(st, now, q, cost)
@@ -62,7 +61,7 @@ end
 
 function token_bucket.lease(st, now, q, max, max_validity)
   local scale = q.token_units
-  local units = q.burst * scale - st.missing
+  local units = math.max(q.burst * scale - st.missing, 0)
   local permits = math.min(max, math.floor(units / scale))
   st.missing = st.missing + permits * scale
   return permits, now + max_validity, st.last
