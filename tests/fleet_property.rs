@@ -122,7 +122,6 @@ fn case() -> impl Strategy<Value = Case> {
 struct Admission {
     at: u64,
     cost: u64,
-    version: usize,
     /// When its receipt was refunded.
     refunded: Option<u64>,
     /// Spent from a leased block (no receipt of its own).
@@ -194,7 +193,6 @@ async fn run_case(
                     admitted[key].push(Admission {
                         at: now,
                         cost,
-                        version,
                         refunded: None,
                         leased: false,
                     });
@@ -269,7 +267,6 @@ async fn run_case(
                         admitted[key].push(Admission {
                             at: now,
                             cost: 1,
-                            version: b.version,
                             refunded: None,
                             leased: true,
                         });

@@ -51,6 +51,10 @@ fn start(args: &[&str]) -> Server {
 }
 
 fn get(port: u16, api_key: Option<&str>) -> String {
+    get_path(port, "/", api_key)
+}
+
+fn get_path(port: u16, path: &str, api_key: Option<&str>) -> String {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let key = api_key
@@ -58,12 +62,19 @@ fn get(port: u16, api_key: Option<&str>) -> String {
         .unwrap_or_default();
     write!(
         s,
-        "GET / HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+fn status(response: &str) -> u16 {
+    response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"))
 }
 
 #[test]
@@ -99,9 +110,11 @@ fn serves_and_limits_per_api_key_then_peer() {
 }
 
 #[test]
-fn invalid_flags_exit_non_zero_with_a_message() {
+fn invalid_flags_exit_2_with_a_message() {
     for args in [
         &["--limit", "0"][..],
+        &["--limit", "+5"],
+        &["--limit", "5", "--limit", "6"],
         &["--period", "10"],
         &["--algorithm", "leaky-bucket"],
         &["--burst", "5"],
@@ -109,11 +122,131 @@ fn invalid_flags_exit_non_zero_with_a_message() {
         &["--frobnicate"],
         &["--lease", "0"],
         &["--algorithm", "sliding-log", "--lease", "auto"],
+        &["--lease", "auto", "--algorithm", "sliding-log"],
+        &["--max-keys", "1"],
+        &["--refund-status", "600-500"],
+        &[
+            "--store",
+            "redis://127.0.0.1:1",
+            "--on-store-error",
+            "open",
+            "--max-keys",
+            "100",
+        ],
     ] {
         let out = Command::new(server_binary()).args(args).output().unwrap();
-        assert!(!out.status.success(), "{args:?} should fail");
+        assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+#[test]
+fn help_prints_the_usage_on_stdout_and_exits_0() {
+    for flag in ["--help", "-h"] {
+        let out = Command::new(server_binary()).arg(flag).output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        let usage = String::from_utf8_lossy(&out.stdout);
+        for documented in [
+            "--port",
+            "--store",
+            "--algorithm",
+            "--limit",
+            "--period",
+            "--burst",
+            "--on-store-error",
+            "--headers",
+            "--lease",
+            "--max-keys",
+            "--refund-status",
+        ] {
+            assert!(usage.contains(documented), "{documented} missing: {usage}");
+        }
+        assert!(out.stderr.is_empty());
+    }
+}
+
+#[test]
+fn a_redis_password_never_appears_in_a_message() {
+    let out = Command::new(server_binary())
+        .args([
+            "--store",
+            "redis://:s3cretpw@127.0.0.1:1",
+            "--on-store-error",
+            "open",
+        ])
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!all.contains("s3cretpw"), "{all}");
+}
+
+#[test]
+fn status_routes_slow_handlers_and_refunds_by_status() {
+    let server = start(&[
+        "--port",
+        "0",
+        "--algorithm",
+        "fixed-window",
+        "--limit",
+        "2",
+        "--period",
+        "1h",
+        "--refund-status",
+        "500-599,429",
+    ]);
+    // Server errors are given back: any number of them, and the quota is intact.
+    for _ in 0..5 {
+        assert_eq!(status(&get_path(server.1, "/status/503", Some("k"))), 503);
+    }
+    let started = std::time::Instant::now();
+    let slow = get_path(server.1, "/?sleep_ms=300", Some("k"));
+    assert_eq!(status(&slow), 200);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(
+        status(&get_path(server.1, "/status/201?sleep_ms=1", Some("k"))),
+        201
+    );
+    assert_eq!(status(&get_path(server.1, "/", Some("k"))), 429);
+    assert_eq!(
+        status(&get_path(server.1, "/status/abc", Some("other"))),
+        400
+    );
+    assert_eq!(
+        status(&get_path(server.1, "/?sleep_ms=999999999", Some("x"))),
+        400
+    );
+}
+
+#[test]
+fn a_key_spray_does_not_reset_exhausted_clients() {
+    let server = start(&[
+        "--port",
+        "0",
+        "--limit",
+        "3",
+        "--period",
+        "1h",
+        "--max-keys",
+        "64",
+    ]);
+    let victims: Vec<String> = (0..5).map(|i| format!("victim-{i}")).collect();
+    for v in &victims {
+        for _ in 0..3 {
+            assert_eq!(status(&get(server.1, Some(v))), 200);
+        }
+        assert_eq!(status(&get(server.1, Some(v))), 429);
+    }
+    for i in 0..400 {
+        get(server.1, Some(&format!("spray-{i}")));
+    }
+    for v in &victims {
+        assert_eq!(status(&get(server.1, Some(v))), 429, "{v} was reset");
     }
 }
 

@@ -1,0 +1,67 @@
+//! Memory per entry of the memory store, measured as a user would see it: the process's resident
+//! set before and after holding N live (rule, key) entries.
+//!
+//! ```text
+//! cargo run --release --example memory_footprint [-- --keys 1000000 --algorithm sliding-window]
+//! ```
+
+use std::time::Duration;
+
+use fleetlimit::store::{Check, Op};
+use fleetlimit::{Algorithm, Key, MemoryStore, Quota, Rule};
+
+/// Resident set size in bytes, from /proc (Linux).
+fn rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut keys: usize = 1_000_000;
+    let mut algorithm = Algorithm::SlidingWindow;
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next().ok_or(format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--keys" => keys = value.parse()?,
+            "--algorithm" => algorithm = value.parse()?,
+            other => return Err(format!("unknown argument {other:?}").into()),
+        }
+    }
+    let rule = Rule::new(
+        "api",
+        Quota::new(100, Duration::from_secs(3600))
+            .algorithm(algorithm)
+            .build()?,
+    )?;
+    let store = MemoryStore::builder().max_keys(keys + keys / 4).build()?;
+    let before = rss().ok_or("no /proc/self/status")?;
+    for i in 0..keys {
+        // Short keys, as an API key prefix or an account id would be.
+        let key = Key::new(format!("user-{i:08}"));
+        store.check(
+            Op::Consume,
+            &Check {
+                rule: &rule,
+                key: &key,
+                cost: 1,
+            },
+        );
+    }
+    let after = rss().ok_or("no /proc/self/status")?;
+    let held = store.len();
+    println!(
+        "{algorithm}: {held} entries, {:.0} MB resident, {:.0} bytes per entry",
+        (after - before) as f64 / 1e6,
+        (after - before) as f64 / held as f64
+    );
+    Ok(())
+}
