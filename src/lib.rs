@@ -59,8 +59,8 @@ pub use layer::{
     Denial, HeaderStyle, MissingKey, RateLimitInfo, RateLimitLayer, RateLimitLayerBuilder, Scope,
 };
 pub use limiter::{
-    BreakerConfig, BreakerState, InfallibleStore, LeaseConfig, Limiter, LimiterBuilder,
-    LimiterStats, OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE,
+    BreakerConfig, InfallibleStore, LeaseConfig, Limiter, LimiterBuilder, LimiterStats,
+    OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE,
 };
 pub use quota::{
     Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_HEADER_INTEGER, MAX_PERIOD,

@@ -12,6 +12,7 @@ mod layer;
 mod response;
 mod scope;
 mod service;
+mod verdict;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;

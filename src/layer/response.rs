@@ -129,9 +129,6 @@ fn problem_body(d: &Decision) -> String {
 /// the wait as `retry-after` (seconds) and `grpc-retry-pushback-ms` (gRPC's retry design; a
 /// negative value tells the client not to retry, for a cost that can never be admitted).
 fn grpc_denied(d: &Decision, unavailable: bool) -> Response<Bytes> {
-    let mut response = Response::new(Bytes::new());
-    let h = response.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     let (status, message) = if unavailable {
         ("14", "rate limiter unavailable")
     } else if d.retry_after.is_some() {
@@ -139,8 +136,8 @@ fn grpc_denied(d: &Decision, unavailable: bool) -> Response<Bytes> {
     } else {
         ("8", "request cost exceeds the rate limit")
     };
-    h.insert(GRPC_STATUS.clone(), HeaderValue::from_static(status));
-    h.insert(GRPC_MESSAGE.clone(), HeaderValue::from_static(message));
+    let mut response = grpc_status(status, message);
+    let h = response.headers_mut();
     let pushback = match d.retry_after {
         Some(retry) => i64::try_from(ceil_millis(retry))
             .unwrap_or(i64::MAX)
@@ -148,6 +145,16 @@ fn grpc_denied(d: &Decision, unavailable: bool) -> Response<Bytes> {
         None => -1,
     };
     h.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(pushback));
+    response
+}
+
+/// A gRPC trailers-only response with this status code and message.
+pub(crate) fn grpc_status(status: &'static str, message: &'static str) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::new());
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert(GRPC_STATUS.clone(), HeaderValue::from_static(status));
+    h.insert(GRPC_MESSAGE.clone(), HeaderValue::from_static(message));
     response
 }
 

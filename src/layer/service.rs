@@ -53,7 +53,7 @@ where
         let req = Request::from_parts(parts, body);
         match plan {
             Plan::Pass => ResponseFuture::pass(self.inner.call(req)),
-            Plan::NoKey => ResponseFuture::no_key(grpc),
+            Plan::NoKey => ResponseFuture::answer(super::verdict::no_key(grpc)),
             Plan::Check { targets, cost } => {
                 // The inner service was driven to readiness; keep that instance for this call
                 // and leave a fresh clone behind (the Tower-documented pattern).

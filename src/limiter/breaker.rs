@@ -1,8 +1,16 @@
 //! A circuit breaker per failure domain: after consecutive store failures, stop paying the
 //! deadline on every request for a cool-down, then let one probe through.
+//!
+//! Promise: a failure is charged to the domain whose call failed, and only to it (one dead
+//! cluster master never opens a healthy slot's breaker); state changes are logged once, naming
+//! the rule and the domain; an open breaker's state is read from the clock, not from the next
+//! call.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
+
+use super::policy::Deadline;
+use crate::StoreError;
 
 /// When to open and how long to stay open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,8 +32,7 @@ impl Default for BreakerConfig {
 
 /// The state a breaker is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum BreakerState {
+pub(crate) enum BreakerState {
     /// Calls go to the store.
     Closed,
     /// Calls are not made; decisions follow the outage policy.
@@ -77,11 +84,15 @@ impl Breaker {
         }
     }
 
-    pub(crate) fn state(&self) -> BreakerState {
-        if self.open_until.load(Ordering::Acquire) == 0 {
-            BreakerState::Closed
-        } else {
+    /// The state at `now`: open while calls are refused, that is during the cool-down and while
+    /// its probe is out. Once the cool-down has passed with no probe yet, the next call goes to
+    /// the store, so an idle breaker does not report an outage nobody has seen for a while.
+    pub(crate) fn state(&self, now: u64) -> BreakerState {
+        let until = self.open_until.load(Ordering::Acquire);
+        if until != 0 && (now < until || self.probing.load(Ordering::Acquire)) {
             BreakerState::Open
+        } else {
+            BreakerState::Closed
         }
     }
 
@@ -130,6 +141,106 @@ impl Breaker {
     }
 }
 
+/// Frees an open breaker's probe slot if the request is dropped before the store answers.
+struct ProbeGuard<'a>(Option<&'a Breaker>);
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.0 {
+            b.abandon_probe();
+        }
+    }
+}
+
+/// One breaker per failure domain of a store, with the counters the limiter reports.
+#[derive(Debug)]
+pub(crate) struct Breakers {
+    breakers: Box<[Breaker]>,
+    config: BreakerConfig,
+    store_errors: AtomicU64,
+    opened: AtomicU64,
+}
+
+impl Breakers {
+    pub(crate) fn new(domains: usize, config: BreakerConfig) -> Breakers {
+        Breakers {
+            breakers: (0..domains.max(1)).map(|_| Breaker::default()).collect(),
+            config,
+            store_errors: AtomicU64::new(0),
+            opened: AtomicU64::new(0),
+        }
+    }
+
+    /// Run a store call for `domain` through its breaker, within the decision's deadline.
+    /// `None` means the store could not decide (breaker open, error, deadline): the outage
+    /// policy must. `rule` names what the call was for, in logs.
+    pub(crate) async fn call<T>(
+        &self,
+        domain: usize,
+        rule: &str,
+        now: impl Fn() -> u64,
+        deadline: Deadline,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Option<T> {
+        let domain = domain % self.breakers.len();
+        let breaker = &self.breakers[domain];
+        let admission = breaker.admit(now());
+        if admission == Admission::Skip {
+            return None;
+        }
+        let probe = admission == Admission::Probe;
+        let mut guard = ProbeGuard(probe.then_some(breaker));
+        let result = deadline.run(call).await.and_then(|r| r);
+        guard.0 = None;
+        match result {
+            Ok(value) => {
+                if breaker.success() == Transition::Closed {
+                    tracing::info!(
+                        rule,
+                        domain,
+                        "fleetlimit: store answers again; breaker closed"
+                    );
+                }
+                Some(value)
+            }
+            Err(error) => {
+                self.store_errors.fetch_add(1, Ordering::Relaxed);
+                if breaker.failure(now(), probe, &self.config) == Transition::Opened {
+                    self.opened.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        rule,
+                        domain,
+                        %error,
+                        cool_down = ?self.config.cool_down,
+                        "fleetlimit: store failing; breaker opened, decisions follow the outage policy"
+                    );
+                } else {
+                    tracing::debug!(rule, domain, %error, "fleetlimit: store call failed");
+                }
+                None
+            }
+        }
+    }
+
+    /// Store calls that failed or missed the deadline.
+    pub(crate) fn store_errors(&self) -> u64 {
+        self.store_errors.load(Ordering::Relaxed)
+    }
+
+    /// Times a breaker opened.
+    pub(crate) fn opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
+    }
+
+    /// Breakers refusing calls at `now`.
+    pub(crate) fn open_at(&self, now: u64) -> u64 {
+        self.breakers
+            .iter()
+            .filter(|b| b.state(now) == BreakerState::Open)
+            .count() as u64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,7 +254,7 @@ mod tests {
         assert_eq!(b.failure(0, false, &c), Transition::None);
         assert_eq!(b.failure(0, false, &c), Transition::Opened);
         assert_eq!(b.failure(0, false, &c), Transition::None, "opened once");
-        assert_eq!(b.state(), BreakerState::Open);
+        assert_eq!(b.state(100), BreakerState::Open);
         assert_eq!(b.admit(100), Admission::Skip);
         let after = 250_000;
         assert_eq!(b.admit(after), Admission::Probe);
@@ -157,7 +268,7 @@ mod tests {
         assert_eq!(b.admit(2 * after), Admission::Probe);
         assert_eq!(b.success(), Transition::Closed);
         assert_eq!(b.admit(2 * after), Admission::Call);
-        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(b.state(2 * after), BreakerState::Closed);
     }
 
     #[test]
@@ -168,7 +279,7 @@ mod tests {
         b.failure(0, false, &c);
         assert_eq!(b.success(), Transition::None);
         assert_eq!(b.failure(0, false, &c), Transition::None);
-        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(b.state(0), BreakerState::Closed);
     }
 
     #[test]
@@ -185,7 +296,7 @@ mod tests {
             "an overlapping call succeeded"
         );
         b.failure(300_000, true, &c);
-        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(b.state(300_000), BreakerState::Closed);
     }
 
     #[test]
@@ -198,5 +309,40 @@ mod tests {
         assert_eq!(b.admit(300_000), Admission::Probe);
         b.abandon_probe();
         assert_eq!(b.admit(300_000), Admission::Probe);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_are_charged_to_their_own_domain_and_read_from_the_clock() {
+        let breakers = Breakers::new(3, BreakerConfig::default());
+        let now = || 1_000u64;
+        let deadline = Deadline::after(Duration::from_millis(50));
+        for _ in 0..3 {
+            let failed: Option<()> = breakers
+                .call(1, "r", now, deadline, async {
+                    Err(StoreError::Connection("down".into()))
+                })
+                .await;
+            assert!(failed.is_none());
+        }
+        assert_eq!(breakers.open_at(1_000), 1);
+        assert_eq!(breakers.opened(), 1);
+        assert_eq!(breakers.store_errors(), 3);
+        // Domain 2 is healthy and keeps calling the store.
+        let ok = breakers.call(2, "r", now, deadline, async { Ok(7) }).await;
+        assert_eq!(ok, Some(7));
+        // Domain 1 refuses without calling.
+        let skipped = breakers.call(1, "r", now, deadline, async { Ok(8) }).await;
+        assert_eq!(skipped, None);
+        // Once the cool-down has passed, the state reads closed before any call.
+        assert_eq!(breakers.open_at(1_000 + 250_000), 0);
+        // A call that outlives the deadline is a failure.
+        let slow = breakers
+            .call(0, "r", now, deadline, async {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok(9)
+            })
+            .await;
+        assert_eq!(slow, None);
+        assert_eq!(breakers.store_errors(), 4);
     }
 }

@@ -1,0 +1,327 @@
+//! Building a limiter: rules, the outage policy (required for stores that can fail, by type),
+//! the deadline, breakers, leases and the denial cache, all validated before anything runs.
+
+use std::marker::PhantomData;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::breaker::Breakers;
+use super::denials::DenialCache;
+use super::leases::Leases;
+use super::policy::Policy;
+use super::{BreakerConfig, Inner, LeaseConfig, Limiter, OnStoreError};
+use crate::error::ConfigError;
+use crate::store::Store;
+use crate::{Clock, MemoryStore, Rule, SystemClock};
+
+/// The default deadline for a decision from a networked store.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
+
+/// Remembered denials kept by default for a store that can fail.
+const DEFAULT_DENY_CACHE: usize = 10_000;
+
+/// The builder's state before an outage policy is chosen.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyUnset;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::MemoryStore {}
+}
+
+/// A store that cannot fail, so a limiter on it needs no outage policy. Sealed: only the
+/// in-process [`MemoryStore`] is one.
+pub trait InfallibleStore: Store + sealed::Sealed {}
+
+impl InfallibleStore for MemoryStore {}
+
+/// Builder for [`Limiter`]; [`build`](LimiterBuilder::build) validates. On a store that can fail,
+/// `build` exists only once [`on_store_error`](LimiterBuilder::on_store_error) has been chosen.
+#[must_use = "a limiter builder does nothing until `build` is called"]
+pub struct LimiterBuilder<S, P = PolicyUnset> {
+    store: S,
+    rules: Vec<Rule>,
+    leases: Vec<(String, LeaseConfig)>,
+    deny_cache: Option<usize>,
+    policy: Option<OnStoreError>,
+    deadline: Duration,
+    breaker: BreakerConfig,
+    clock: Arc<dyn Clock>,
+    _policy: PhantomData<P>,
+}
+
+impl<S, P> std::fmt::Debug for LimiterBuilder<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LimiterBuilder")
+            .field("rules", &self.rules)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Limiter {
+    /// Start building a limiter on `store`.
+    pub fn builder<S: Store>(store: S) -> LimiterBuilder<S> {
+        LimiterBuilder {
+            store,
+            rules: Vec::new(),
+            leases: Vec::new(),
+            deny_cache: None,
+            policy: None,
+            deadline: DEFAULT_DEADLINE,
+            breaker: BreakerConfig::default(),
+            clock: Arc::new(SystemClock),
+            _policy: PhantomData,
+        }
+    }
+}
+
+impl<S: Store, P> LimiterBuilder<S, P> {
+    /// Add a rule. Every rule applies to every request; a request is admitted only if all
+    /// admit, and a denial by one takes nothing from the others.
+    pub fn rule(mut self, rule: Rule) -> Self {
+        self.rules.push(rule);
+        self
+    }
+
+    /// The longest a decision may wait for the store (default 50 ms), counted once from the
+    /// start of the decision: waiting for another request's refill of a leased key, the lease
+    /// call and any second store call all come out of it. When it passes, the store call is
+    /// abandoned (never retried: it may have run) and the outage policy decides.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// When the circuit breaker opens and how long before it probes.
+    pub fn breaker(mut self, config: BreakerConfig) -> Self {
+        self.breaker = config;
+        self
+    }
+
+    /// Lease the hot keys of rule `rule` (see [`LeaseConfig`]): blocks of permits taken from
+    /// the store at once and spent in process memory, so a key at tens of thousands of requests
+    /// per second costs a few store calls per second. The fleet still never exceeds the limit:
+    /// permits are deducted when leased. Not for the sliding log. Requests that several rules
+    /// apply to are decided by the store, one call each.
+    pub fn lease(mut self, rule: &str, config: LeaseConfig) -> Self {
+        self.leases.push((rule.to_owned(), config));
+        self
+    }
+
+    /// Remember up to this many store denials (default 10,000 for stores that can fail, none
+    /// for the memory store; 0 turns it off): a key the store refused until T is refused in
+    /// process until T for a request of the same cost, so a flood on an exhausted key costs one
+    /// store call per retry period, not one per request. Single-rule requests only.
+    pub fn deny_cache(mut self, capacity: usize) -> Self {
+        self.deny_cache = Some(capacity);
+        self
+    }
+
+    /// The clock the breaker, the leases and a local fallback read (default: the system clock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    fn build_inner(self) -> Result<Limiter, ConfigError> {
+        if self.rules.is_empty() {
+            return Err(ConfigError::NoRules);
+        }
+        for (i, rule) in self.rules.iter().enumerate() {
+            if self.rules[..i].iter().any(|r| r.name() == rule.name()) {
+                // Two rules of one name would share their state in the store.
+                return Err(ConfigError::InvalidRuleName(rule.name().to_owned()));
+            }
+        }
+        if self.deadline.is_zero() {
+            return Err(ConfigError::Invalid {
+                setting: "deadline",
+                reason: "must be greater than zero".into(),
+            });
+        }
+        if self.breaker.failures == 0 || self.breaker.cool_down.is_zero() {
+            return Err(ConfigError::Invalid {
+                setting: "breaker",
+                reason: "needs at least one failure and a non-zero cool-down".into(),
+            });
+        }
+        let policy = self
+            .policy
+            .map(|p| Policy::resolve(p, &self.rules, &self.clock))
+            .transpose()?;
+        let mut lease_configs = vec![None; self.rules.len()];
+        for (name, config) in &self.leases {
+            let Some(i) = self.rules.iter().position(|r| r.name() == name) else {
+                return Err(ConfigError::Invalid {
+                    setting: "lease",
+                    reason: format!("the limiter has no rule named {name:?}"),
+                });
+            };
+            config.validate(&self.rules[i])?;
+            lease_configs[i] = Some(*config);
+        }
+        let deny_cache = self.deny_cache.unwrap_or(if policy.is_some() {
+            DEFAULT_DENY_CACHE
+        } else {
+            0
+        });
+        let domains = self.store.failure_domains();
+        Ok(Limiter {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
+                leases: Leases::new(lease_configs.into_boxed_slice()),
+                denials: (deny_cache > 0).then(|| DenialCache::new(deny_cache)),
+                store: Arc::new(self.store),
+                rules: self.rules.into_boxed_slice(),
+                policy,
+                deadline: self.deadline,
+                breakers: Breakers::new(domains, self.breaker),
+                clock: self.clock,
+                degraded: AtomicU64::new(0),
+            }),
+        })
+    }
+}
+
+impl<S: Store> LimiterBuilder<S, PolicyUnset> {
+    /// Choose what happens when the store cannot decide. Required for stores that can fail.
+    pub fn on_store_error(self, policy: OnStoreError) -> LimiterBuilder<S, OnStoreError> {
+        LimiterBuilder {
+            store: self.store,
+            rules: self.rules,
+            leases: self.leases,
+            deny_cache: self.deny_cache,
+            policy: Some(policy),
+            deadline: self.deadline,
+            breaker: self.breaker,
+            clock: self.clock,
+            _policy: PhantomData,
+        }
+    }
+}
+
+impl<S: InfallibleStore> LimiterBuilder<S, PolicyUnset> {
+    /// Validate (at least one rule, unique names) and build.
+    pub fn build(self) -> Result<Limiter, ConfigError> {
+        self.build_inner()
+    }
+}
+
+impl<S: Store> LimiterBuilder<S, OnStoreError> {
+    /// Validate (at least one rule, unique names, a valid policy) and build.
+    pub fn build(self) -> Result<Limiter, ConfigError> {
+        self.build_inner()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Algorithm, Quota};
+
+    fn rule(name: &str) -> Rule {
+        Rule::new(name, Quota::per_second(5).build().unwrap()).unwrap()
+    }
+
+    fn log(name: &str) -> Rule {
+        Rule::new(
+            name,
+            Quota::per_second(5)
+                .algorithm(Algorithm::SlidingLog)
+                .build()
+                .unwrap(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn every_invalid_setting_is_a_config_error() {
+        let memory = MemoryStore::new;
+        assert_eq!(
+            Limiter::builder(memory()).build().unwrap_err(),
+            ConfigError::NoRules
+        );
+        assert_eq!(
+            Limiter::builder(memory())
+                .rule(rule("a"))
+                .rule(rule("a"))
+                .build()
+                .unwrap_err(),
+            ConfigError::InvalidRuleName("a".into()),
+            "duplicate names would share store state"
+        );
+        let invalid = |e: ConfigError, setting: &str| {
+            assert!(
+                matches!(&e, ConfigError::Invalid { setting: s, .. } if *s == setting),
+                "{e:?}"
+            )
+        };
+        invalid(
+            Limiter::builder(memory())
+                .rule(rule("a"))
+                .deadline(Duration::ZERO)
+                .build()
+                .unwrap_err(),
+            "deadline",
+        );
+        for breaker in [
+            BreakerConfig {
+                failures: 0,
+                ..BreakerConfig::default()
+            },
+            BreakerConfig {
+                cool_down: Duration::ZERO,
+                ..BreakerConfig::default()
+            },
+        ] {
+            invalid(
+                Limiter::builder(memory())
+                    .rule(rule("a"))
+                    .breaker(breaker)
+                    .build()
+                    .unwrap_err(),
+                "breaker",
+            );
+        }
+        invalid(
+            Limiter::builder(memory())
+                .rule(rule("a"))
+                .on_store_error(OnStoreError::LocalShare(0))
+                .build()
+                .unwrap_err(),
+            "on_store_error",
+        );
+        invalid(
+            Limiter::builder(memory())
+                .rule(rule("a"))
+                .lease("b", LeaseConfig::auto())
+                .build()
+                .unwrap_err(),
+            "lease",
+        );
+        invalid(
+            Limiter::builder(memory())
+                .rule(log("a"))
+                .lease("a", LeaseConfig::auto())
+                .build()
+                .unwrap_err(),
+            "lease",
+        );
+        invalid(
+            Limiter::builder(memory())
+                .rule(rule("a"))
+                .lease("a", LeaseConfig::fixed(0))
+                .build()
+                .unwrap_err(),
+            "lease",
+        );
+        assert!(Limiter::builder(memory())
+            .rule(rule("a"))
+            .rule(rule("b"))
+            .lease("a", LeaseConfig::auto())
+            .build()
+            .is_ok());
+    }
+}

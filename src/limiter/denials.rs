@@ -1,0 +1,191 @@
+//! Remembered store denials: a key the store refused until T is refused in process until T, so a
+//! flood on an exhausted key costs one store call per retry period, not one per request.
+//!
+//! Promise: a remembered denial answers only the request it proves (the same rule, key and
+//! cost), never after the store's own retry time, and with headers computed at the moment of the
+//! answer (`retry_after` and `reset_after` count down from the store's answer). Bounded: at most
+//! the configured number of keys, the ones that end first forgotten first.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::{Decision, Key, Source};
+
+/// A rule (by index) and a key.
+pub(crate) type SlotKey = (usize, Key);
+
+#[derive(Debug, Clone, Copy)]
+struct Remembered {
+    /// Refused until (µs, the limiter's clock).
+    until: u64,
+    /// For requests of exactly this cost.
+    cost: u64,
+    /// Full again at (µs), for `reset_after`.
+    reset_at: u64,
+    decision: Decision,
+}
+
+type Shard = Mutex<HashMap<SlotKey, Remembered>>;
+
+/// A bounded cache of store denials.
+#[derive(Debug)]
+pub(crate) struct DenialCache {
+    shards: Box<[Shard]>,
+    per_shard: usize,
+    hasher: hashbrown::DefaultHashBuilder,
+}
+
+const SHARDS: usize = 16;
+
+impl DenialCache {
+    pub(crate) fn new(capacity: usize) -> DenialCache {
+        DenialCache {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            per_shard: capacity.div_ceil(SHARDS).max(1),
+            hasher: hashbrown::DefaultHashBuilder::default(),
+        }
+    }
+
+    fn shard(&self, key: &SlotKey) -> std::sync::MutexGuard<'_, HashMap<SlotKey, Remembered>> {
+        let i = self.hasher.hash_one(key) as usize % self.shards.len();
+        self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The remembered denial of a request of `cost` at `now`, its waits counted down to now.
+    pub(crate) fn get(&self, key: &SlotKey, cost: u64, now: u64) -> Option<Decision> {
+        let mut shard = self.shard(key);
+        let r = *shard.get(key)?;
+        if now >= r.until {
+            shard.remove(key);
+            return None;
+        }
+        if r.cost != cost {
+            return None;
+        }
+        let mut d = r.decision;
+        d.retry_after = Some(Duration::from_micros(r.until - now));
+        d.reset_after = Duration::from_micros(r.reset_at.saturating_sub(now));
+        d.source = Source::Cache;
+        Some(d)
+    }
+
+    /// Remember a store denial `d` of a request of `cost`, answered for a call made at `asked_at`
+    /// (so the remembered wait never outlasts the store's).
+    pub(crate) fn remember(&self, key: SlotKey, cost: u64, d: &Decision, asked_at: u64) {
+        let (false, Some(retry)) = (d.allowed, d.retry_after) else {
+            return;
+        };
+        let until = asked_at + retry.as_micros() as u64;
+        let reset_at = asked_at + d.reset_after.as_micros() as u64;
+        let mut shard = self.shard(&key);
+        if shard.len() >= self.per_shard && !shard.contains_key(&key) {
+            shard.retain(|_, r| r.until > asked_at);
+            if shard.len() >= self.per_shard {
+                // Still full of live denials: forget the one that ends first.
+                if let Some(first) = shard
+                    .iter()
+                    .min_by_key(|(_, r)| r.until)
+                    .map(|(k, _)| k.clone())
+                {
+                    shard.remove(&first);
+                }
+            }
+        }
+        shard.insert(
+            key,
+            Remembered {
+                until,
+                cost,
+                reset_at,
+                decision: *d,
+            },
+        );
+    }
+
+    /// Forget everything remembered about `key` under every rule.
+    #[allow(dead_code)]
+    pub(crate) fn forget(&self, key: &Key) {
+        for shard in self.shards.iter() {
+            shard
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(_, k), _| k != key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn denial(retry_ms: u64, reset_ms: u64) -> Decision {
+        Decision::deny(
+            10,
+            0,
+            Duration::from_millis(reset_ms),
+            Some(Duration::from_millis(retry_ms)),
+        )
+    }
+
+    #[test]
+    fn answers_the_same_cost_with_waits_counted_down() {
+        let c = DenialCache::new(100);
+        let k = (0, Key::new("k"));
+        c.remember(k.clone(), 2, &denial(1_000, 4_000), 0);
+        let d = c.get(&k, 2, 250_000).unwrap();
+        assert_eq!(d.retry_after, Some(Duration::from_millis(750)));
+        assert_eq!(d.reset_after, Duration::from_millis(3_750));
+        assert_eq!(d.source, Source::Cache);
+        assert!(
+            c.get(&k, 1, 250_000).is_none(),
+            "a smaller cost may fit sooner"
+        );
+        assert!(
+            c.get(&k, 3, 250_000).is_none(),
+            "a larger cost waits longer"
+        );
+        assert!(
+            c.get(&(1, Key::new("k")), 2, 250_000).is_none(),
+            "another rule"
+        );
+        assert!(
+            c.get(&k, 2, 1_000_000).is_none(),
+            "never past the store's time"
+        );
+        assert!(c.get(&k, 2, 250_000).is_none(), "forgotten once over");
+    }
+
+    #[test]
+    fn admissions_and_permanent_denials_are_not_remembered() {
+        let c = DenialCache::new(100);
+        let k = (0, Key::new("k"));
+        c.remember(k.clone(), 1, &Decision::admit(10, 9, Duration::ZERO), 0);
+        c.remember(
+            k.clone(),
+            50,
+            &Decision::deny(10, 0, Duration::ZERO, None),
+            0,
+        );
+        assert!(c.get(&k, 1, 1).is_none());
+        assert!(c.get(&k, 50, 1).is_none());
+    }
+
+    #[test]
+    fn bounded_forgetting_the_first_to_end() {
+        let c = DenialCache::new(SHARDS);
+        for i in 0..1_000u64 {
+            c.remember(
+                (0, Key::new(i.to_be_bytes())),
+                1,
+                &denial(10 + i, 10 + i),
+                0,
+            );
+        }
+        let held: usize = c.shards.iter().map(|s| s.lock().unwrap().len()).sum();
+        assert!(held <= SHARDS, "{held}");
+        c.forget(&Key::new(999u64.to_be_bytes()));
+        assert!(c.get(&(0, Key::new(999u64.to_be_bytes())), 1, 1).is_none());
+    }
+}

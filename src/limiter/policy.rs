@@ -1,0 +1,303 @@
+//! What happens when the store cannot decide, and how long a decision may wait for it.
+//!
+//! Promise: every decision has one deadline, set when it starts, covering every wait on its
+//! behalf (a refill lock, a lease call, a second store call); when the store has not answered by
+//! then, the outage policy decides. Policy decisions are marked degraded and never carry a
+//! receipt for the shared budget (a refund of one must not reach the store).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::ConfigError;
+use crate::store::{Check, Op};
+use crate::{Clock, Decision, MemoryStore, Quota, Rule, Source, StoreError};
+
+/// What to do when the store cannot decide (down, slow, erroring). There is no default: a
+/// limiter on a networked store does not build until you choose.
+///
+/// - `FailOpen`: admit, marked degraded. Availability first; the limit is off during the outage.
+/// - `FailClosed`: refuse, marked degraded. The layer answers `503 Service Unavailable` (the
+///   client did nothing wrong; configurable to 429) with `Retry-After: retry_after`.
+/// - `Local(quota)`: decide in this process with `quota` in place of every rule (e.g. the fleet
+///   limit divided by the number of servers).
+/// - `LocalShare(n)`: decide in this process with every rule's own quota divided by `n` (limit and
+///   burst; at least 1), the same algorithm.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnStoreError {
+    /// Admit every request while the store is unavailable.
+    FailOpen,
+    /// Refuse every request while the store is unavailable.
+    FailClosed {
+        /// The `Retry-After` given to refused clients.
+        retry_after: Duration,
+    },
+    /// Decide in process with this quota for every rule.
+    Local(Quota),
+    /// Decide in process with each rule's quota divided by this many servers.
+    LocalShare(u64),
+}
+
+impl OnStoreError {
+    /// [`OnStoreError::FailClosed`] with a `Retry-After` of one second.
+    pub fn fail_closed() -> OnStoreError {
+        OnStoreError::FailClosed {
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The outage policy, resolved when the limiter is built.
+pub(crate) enum Policy {
+    Open,
+    Closed {
+        retry_after: Duration,
+    },
+    Local {
+        store: MemoryStore,
+        rules: Box<[Rule]>,
+    },
+}
+
+impl Policy {
+    /// Resolve `on_error` for these rules; a local fallback gets its own memory store on `clock`.
+    pub(crate) fn resolve(
+        on_error: OnStoreError,
+        rules: &[Rule],
+        clock: &Arc<dyn Clock>,
+    ) -> Result<Policy, ConfigError> {
+        match on_error {
+            OnStoreError::FailOpen => Ok(Policy::Open),
+            OnStoreError::FailClosed { retry_after } => {
+                if retry_after.is_zero() {
+                    return Err(ConfigError::Invalid {
+                        setting: "on_store_error",
+                        reason: "FailClosed needs a retry_after above zero".into(),
+                    });
+                }
+                Ok(Policy::Closed { retry_after })
+            }
+            OnStoreError::Local(quota) => local(rules, clock, |_| Ok(quota.clone())),
+            OnStoreError::LocalShare(0) => Err(ConfigError::Invalid {
+                setting: "on_store_error",
+                reason: "LocalShare needs at least one server".into(),
+            }),
+            OnStoreError::LocalShare(servers) => local(rules, clock, |q| share(q, servers)),
+        }
+    }
+
+    /// Decide `checks` without the store. Every decision is degraded; none carries a receipt.
+    pub(crate) fn decide(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
+        let synthetic = |allowed: bool, retry_after: Option<Duration>| {
+            checks
+                .iter()
+                .map(|c| {
+                    let limit = c.rule.quota().capacity();
+                    let mut d = if allowed {
+                        Decision::admit(limit, limit, Duration::ZERO)
+                    } else {
+                        Decision::deny(limit, 0, Duration::ZERO, retry_after)
+                    };
+                    d.source = Source::Policy;
+                    d.degraded = true;
+                    d
+                })
+                .collect()
+        };
+        match self {
+            Policy::Open => synthetic(true, None),
+            Policy::Closed { retry_after } => synthetic(false, Some(*retry_after)),
+            Policy::Local { store, rules } => {
+                let local: Vec<Check<'_>> = checks
+                    .iter()
+                    .map(|c| Check {
+                        rule: rules
+                            .iter()
+                            .find(|r| r.name() == c.rule.name())
+                            .unwrap_or(c.rule),
+                        key: c.key,
+                        cost: c.cost,
+                    })
+                    .collect();
+                let mut decisions = store.apply_now(op, &local);
+                for d in &mut decisions {
+                    d.source = Source::Fallback;
+                    d.degraded = true;
+                    // Taken from this process's fallback, not the shared budget.
+                    d.taken = None;
+                }
+                decisions
+            }
+        }
+    }
+}
+
+/// `quota` divided between `servers`: limit and burst, at least 1 each, the same algorithm.
+fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
+    let mut b = Quota::new((quota.limit() / servers).max(1), quota.period())
+        .algorithm(quota.algorithm())
+        .max_log_len(quota.limit());
+    if matches!(
+        quota.algorithm(),
+        crate::Algorithm::TokenBucket | crate::Algorithm::Gcra
+    ) {
+        b = b.burst((quota.burst() / servers).max(1));
+    }
+    b.build()
+}
+
+fn local(
+    rules: &[Rule],
+    clock: &Arc<dyn Clock>,
+    quota_for: impl Fn(&Quota) -> Result<Quota, ConfigError>,
+) -> Result<Policy, ConfigError> {
+    let rules = rules
+        .iter()
+        .map(|r| Rule::new(r.name(), quota_for(r.quota())?))
+        .collect::<Result<Vec<_>, _>>()?;
+    let store = MemoryStore::builder()
+        .clock(SharedClock(clock.clone()))
+        .build()?;
+    Ok(Policy::Local {
+        store,
+        rules: rules.into_boxed_slice(),
+    })
+}
+
+/// A clock shared with the limiter.
+#[derive(Debug)]
+struct SharedClock(Arc<dyn Clock>);
+
+impl Clock for SharedClock {
+    fn now_us(&self) -> u64 {
+        self.0.now_us()
+    }
+}
+
+/// The one deadline of a decision.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline {
+    at: tokio::time::Instant,
+    budget: Duration,
+}
+
+impl Deadline {
+    /// A deadline `budget` from now.
+    pub(crate) fn after(budget: Duration) -> Deadline {
+        Deadline {
+            at: tokio::time::Instant::now() + budget,
+            budget,
+        }
+    }
+
+    /// Run `work` until the deadline; past it, a [`StoreError::Timeout`].
+    pub(crate) async fn run<T>(
+        self,
+        work: impl std::future::Future<Output = T>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout_at(self.at, work)
+            .await
+            .map_err(|_| StoreError::Timeout(self.budget))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Algorithm, Key, ManualClock};
+
+    fn rule(limit: u64, algorithm: Algorithm, burst: Option<u64>) -> Rule {
+        let mut q = Quota::per_second(limit).algorithm(algorithm);
+        if let Some(b) = burst {
+            q = q.burst(b);
+        }
+        Rule::new("r", q.build().unwrap()).unwrap()
+    }
+
+    fn clock() -> Arc<dyn Clock> {
+        Arc::new(ManualClock::default())
+    }
+
+    #[test]
+    fn fail_open_and_closed_count_nothing() {
+        let r = rule(5, Algorithm::FixedWindow, None);
+        let k = Key::new("k");
+        let check = [Check {
+            rule: &r,
+            key: &k,
+            cost: 1,
+        }];
+        let open =
+            Policy::resolve(OnStoreError::FailOpen, std::slice::from_ref(&r), &clock()).unwrap();
+        let d = open.decide(Op::Consume, &check)[0];
+        assert!(d.allowed && d.degraded && d.source == Source::Policy && d.taken.is_none());
+        let closed = Policy::resolve(
+            OnStoreError::fail_closed(),
+            std::slice::from_ref(&r),
+            &clock(),
+        )
+        .unwrap();
+        let d = closed.decide(Op::Consume, &check)[0];
+        assert!(!d.allowed && d.degraded);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(1)));
+        assert!(Policy::resolve(
+            OnStoreError::FailClosed {
+                retry_after: Duration::ZERO
+            },
+            &[r],
+            &clock()
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn local_share_divides_limit_and_burst_and_decides_in_process() {
+        let rules = [
+            rule(100, Algorithm::SlidingWindow, None),
+            Rule::new(
+                "b",
+                Quota::per_second(10)
+                    .algorithm(Algorithm::TokenBucket)
+                    .burst(30)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap(),
+        ];
+        let Policy::Local { rules: local, .. } =
+            Policy::resolve(OnStoreError::LocalShare(4), &rules, &clock()).unwrap()
+        else {
+            panic!("a local policy");
+        };
+        assert_eq!(local[0].quota().limit(), 25);
+        assert_eq!((local[1].quota().limit(), local[1].quota().burst()), (2, 7));
+        let tiny = Policy::resolve(OnStoreError::LocalShare(1_000), &rules, &clock()).unwrap();
+        let k = Key::new("k");
+        let check = [Check {
+            rule: &rules[0],
+            key: &k,
+            cost: 1,
+        }];
+        let d = tiny.decide(Op::Consume, &check)[0];
+        assert!(d.allowed && d.source == Source::Fallback && d.taken.is_none());
+        assert_eq!(d.limit, 1, "at least one per server");
+        assert!(!tiny.decide(Op::Consume, &check)[0].allowed);
+        assert!(Policy::resolve(OnStoreError::LocalShare(0), &rules, &clock()).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_is_set_once_and_covers_every_wait() {
+        let deadline = Deadline::after(Duration::from_millis(50));
+        let started = tokio::time::Instant::now();
+        // A first wait uses 30 ms of the budget; the second gets the remaining 20, not 50.
+        deadline
+            .run(tokio::time::sleep(Duration::from_millis(30)))
+            .await
+            .unwrap();
+        let late = deadline
+            .run(tokio::time::sleep(Duration::from_millis(40)))
+            .await;
+        assert!(matches!(late, Err(StoreError::Timeout(_))));
+        assert_eq!(started.elapsed(), Duration::from_millis(50));
+    }
+}
