@@ -26,17 +26,24 @@ pub enum Source {
 /// [`Limiter::refund`](crate::Limiter::refund)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Taken {
-    /// The algorithm's anchor (µs): the window's start, the log entries' timestamp, or the
-    /// moment a bucket was debited.
+    /// When they were taken (µs, the store's clock): the log entries' timestamp, the moment a
+    /// window counted them or a bucket was debited.
     pub(crate) at: u64,
     /// Permits taken.
     pub(crate) cost: u64,
+    /// The algorithm that took them: a receipt never refunds another algorithm's state.
+    pub(crate) algorithm: crate::Algorithm,
 }
 
 impl Taken {
     /// How many permits were taken.
     pub fn cost(&self) -> u64 {
         self.cost
+    }
+
+    /// Whether this receipt can refund state counted by `algorithm`.
+    pub(crate) fn fits(&self, algorithm: crate::Algorithm) -> bool {
+        self.algorithm == algorithm
     }
 
     /// The same place, for `cost` of its permits at most (the unspent part of a leased block,

@@ -173,6 +173,28 @@ async fn two_quotas_on_one_key_never_pass_the_larger() {
     }
 }
 
+/// A receipt is refunded only by the limiter that issued it, even when a new limiter takes the
+/// old one's place in memory.
+#[tokio::test]
+async fn a_receipt_of_another_limiter_is_refused() {
+    let clock = ManualClock::new(T0);
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let first = Limiter::builder(store.clone())
+        .rule(rule(Algorithm::FixedWindow, 3, None))
+        .build()
+        .unwrap();
+    let (_, receipt) = first.consume_with_receipt(&Key::new("k"), 1).await.unwrap();
+    drop(first);
+    let second = Limiter::builder(store)
+        .rule(rule(Algorithm::FixedWindow, 3, None))
+        .build()
+        .unwrap();
+    assert!(matches!(
+        second.refund(receipt.unwrap()).await,
+        Err(fleetlimit::Error::ForeignReceipt)
+    ));
+}
+
 /// The layer refunds through the receipt of the request it admitted: a slow handler that spans a
 /// window boundary and fails gives the new window nothing.
 #[tokio::test]

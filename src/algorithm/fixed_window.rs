@@ -4,15 +4,17 @@
 //! at the end of one window and the start of the next can admit up to `2 × limit` within one
 //! period: that is the price of one counter.
 //!
-//! Refunds: a receipt names the window it was counted in, and gives its permits back only while
-//! that window is still the current one (afterwards they were never going to be counted again).
+//! Refunds: a receipt says when its permits were counted, and gives them back only while that
+//! window is still the current one (afterwards they were never going to be counted again), and
+//! only if the state has not been converted from another quota or created afresh since (its
+//! `valid_from`), so a receipt never reaches a count it was not part of.
 //!
 //! Quota changes: a new limit reads the used count as it is, so while two limits write one key
 //! the count never passes the larger. A new period carries the used count into the new aligned
 //! window if the old window is still open (never fewer counted than before), else starts afresh.
 
 use super::{never, us};
-use crate::{Decision, Quota, Taken};
+use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct FixedWindow {
@@ -22,6 +24,9 @@ pub(crate) struct FixedWindow {
     pub(crate) count: u64,
     /// The period (µs) the window was aligned to; 0 for a fresh state.
     pub(crate) period: u64,
+    /// Receipts from before this time (µs) refund nothing: the state was created or converted
+    /// then. 0 until the first permit is taken.
+    pub(crate) valid_from: u64,
 }
 
 impl FixedWindow {
@@ -30,6 +35,9 @@ impl FixedWindow {
         let limit = quota.limit();
         let window = now - now % period;
         if self.period != period {
+            if self.period != 0 {
+                self.valid_from = now;
+            }
             if now >= self.start + self.period {
                 self.count = 0;
             }
@@ -56,16 +64,29 @@ impl FixedWindow {
         }
     }
 
-    pub(crate) fn commit(&mut self, cost: u64) -> Taken {
+    pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         self.count += cost;
+        self.taken(now, cost)
+    }
+
+    /// A receipt for `cost` permits counted at `now` (in the current window), stamping a fresh
+    /// state's `valid_from`.
+    pub(crate) fn taken(&mut self, now: u64, cost: u64) -> Taken {
+        if self.valid_from == 0 && cost > 0 {
+            self.valid_from = now;
+        }
         Taken {
-            at: self.start,
+            at: now.max(self.start),
             cost,
+            algorithm: Algorithm::FixedWindow,
         }
     }
 
     pub(crate) fn refund(&mut self, taken: Taken) {
-        if taken.at == self.start {
+        if taken.at < self.valid_from || self.period == 0 {
+            return;
+        }
+        if taken.at - taken.at % self.period == self.start {
             self.count = self.count.saturating_sub(taken.cost);
         }
     }
@@ -154,6 +175,27 @@ mod tests {
         s.refund(early);
         s.advance_us(20);
         assert!(!s.consume(1).allowed, "4 admitted in the second window");
+    }
+
+    /// A receipt from before a period change refunds nothing, even when the state comes back
+    /// to its quota and window (A at 3 per 10 s, B at 3 per 1 s, on one key).
+    #[test]
+    fn a_receipt_from_before_a_conversion_refunds_nothing() {
+        let a = quota(3, 10_000);
+        let b = quota(3, 1_000);
+        let mut s = Sim::new(&a, T0 + 100_000);
+        s.consume(1);
+        let early = s.last_taken();
+        let mut on_b = s.with_quota(&b);
+        on_b.now = T0 + 1_200_000;
+        assert!(on_b.consume(2).allowed);
+        on_b.now = T0 + 2_100_000;
+        assert!(on_b.consume(3).allowed);
+        let mut back = on_b.with_quota(&a);
+        back.now = T0 + 2_500_000;
+        assert!(!back.consume(1).allowed, "3 counted in the window A reads");
+        back.refund(early);
+        assert!(!back.consume(1).allowed, "the old receipt created a permit");
     }
 
     #[test]

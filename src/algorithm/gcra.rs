@@ -17,7 +17,7 @@
 //! quotas writing one key never admit more than the larger burst.
 
 use super::{never, rescale_ceil, us};
-use crate::{Decision, Quota, Taken};
+use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Gcra {
@@ -25,6 +25,9 @@ pub(crate) struct Gcra {
     pub(crate) tat: u64,
     /// The emission interval (µs) the TAT was written under; 0 for a fresh state.
     pub(crate) emission: u64,
+    /// Receipts from before this time (µs) refund nothing: the state was created, or written
+    /// under another interval, then. 0 until the first permit is taken.
+    pub(crate) valid_from: u64,
 }
 
 impl Gcra {
@@ -35,6 +38,7 @@ impl Gcra {
         if self.emission != t {
             if self.tat > now && self.emission != 0 {
                 self.tat = now + rescale_ceil(self.tat - now, self.emission, t);
+                self.valid_from = now;
             }
             self.emission = t;
         }
@@ -54,10 +58,25 @@ impl Gcra {
 
     pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) -> Taken {
         self.tat = self.tat.max(now) + cost * quota.emission_us();
-        Taken { at: now, cost }
+        self.taken(now, cost)
+    }
+
+    /// A receipt for `cost` permits taken at `now`, stamping a fresh state's `valid_from`.
+    pub(crate) fn taken(&mut self, now: u64, cost: u64) -> Taken {
+        if self.valid_from == 0 && cost > 0 {
+            self.valid_from = now;
+        }
+        Taken {
+            at: now,
+            cost,
+            algorithm: Algorithm::Gcra,
+        }
     }
 
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {
+        if taken.at < self.valid_from {
+            return;
+        }
         let debt = taken.cost.min(quota.burst()) * quota.emission_us();
         let elapsed = now.saturating_sub(taken.at);
         if elapsed >= debt {

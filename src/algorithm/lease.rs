@@ -54,10 +54,7 @@ impl State {
                 Granted {
                     permits,
                     valid_until: until.min(s.start + quota.period_us()),
-                    taken: Taken {
-                        at: s.start,
-                        cost: permits,
-                    },
+                    taken: s.taken(now, permits),
                 }
             }
             State::SlidingWindow(s) => {
@@ -70,10 +67,7 @@ impl State {
                 Granted {
                     permits,
                     valid_until: until.min(s.start + quota.period_us()),
-                    taken: Taken {
-                        at: s.start,
-                        cost: permits,
-                    },
+                    taken: s.taken(now, permits),
                 }
             }
             State::TokenBucket(s) => {
@@ -81,10 +75,7 @@ impl State {
                 Granted {
                     permits,
                     valid_until: until,
-                    taken: Taken {
-                        at: s.last,
-                        cost: permits,
-                    },
+                    taken: s.taken(permits),
                 }
             }
             State::Gcra(s) => {
@@ -96,10 +87,7 @@ impl State {
                 Granted {
                     permits,
                     valid_until: until,
-                    taken: Taken {
-                        at: now,
-                        cost: permits,
-                    },
+                    taken: s.taken(now, permits),
                 }
             }
             State::SlidingLog(_) => return None,

@@ -74,7 +74,9 @@ impl State {
         match self {
             State::FixedWindow(s) => s.period != 0 && s.period != quota.period_us(),
             State::SlidingWindow(s) => s.period != 0 && s.period != quota.period_us(),
-            State::TokenBucket(s) => s.scale != quota.token_units(),
+            State::TokenBucket(s) => {
+                s.scale != quota.token_units() || s.rate != quota.refill_units()
+            }
             State::Gcra(s) => s.emission != 0 && s.emission != quota.emission_us() && s.tat > now,
             State::SlidingLog(_) => false,
         }
@@ -92,16 +94,20 @@ impl State {
 
     pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) -> Taken {
         match self {
-            State::FixedWindow(s) => s.commit(cost),
+            State::FixedWindow(s) => s.commit(now, cost),
             State::SlidingLog(s) => s.commit(now, cost),
-            State::SlidingWindow(s) => s.commit(cost),
+            State::SlidingWindow(s) => s.commit(now, cost),
             State::TokenBucket(s) => s.commit(quota, cost),
             State::Gcra(s) => s.commit(now, quota, cost),
         }
     }
 
     /// Undo what `taken` took, as far as it is still outstanding. Call after a `decide` at `now`.
+    /// A receipt of another algorithm refunds nothing.
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {
+        if !taken.fits(quota.algorithm()) || !self.fits(quota) {
+            return;
+        }
         match self {
             State::FixedWindow(s) => s.refund(taken),
             State::SlidingLog(s) => s.refund(taken),

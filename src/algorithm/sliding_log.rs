@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 
 use super::{never, us};
-use crate::{Decision, Quota, Taken};
+use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct SlidingLog {
@@ -57,7 +57,11 @@ impl SlidingLog {
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         let now = self.effective_now(now);
         self.entries.extend(std::iter::repeat_n(now, cost as usize));
-        Taken { at: now, cost }
+        Taken {
+            at: now,
+            cost,
+            algorithm: Algorithm::SlidingLog,
+        }
     }
 
     pub(crate) fn refund(&mut self, taken: Taken) {

@@ -9,9 +9,10 @@
 //! permits were spread evenly, so against the exact log it can admit a little more or a little
 //! less; the README reports the measured disagreement (`cargo run --release --example accuracy`).
 //!
-//! Refunds: a receipt names the window its permits were counted in; they are taken off that
-//! window's count while it is still the current or the previous one (the estimate is then what
-//! it would be had the request never come), and nothing is given back after that.
+//! Refunds: a receipt says when its permits were counted; they are taken off that window's count
+//! while it is still the current or the previous one (the estimate is then what it would be had
+//! the request never come), and nothing is given back after that, nor to a state converted from
+//! another quota or created afresh since (its `valid_from`).
 //!
 //! Quota changes: a new limit reads both counts as they are, so the estimate never passes the
 //! larger limit while two limits write one key. A new period moves every permit still counted
@@ -19,7 +20,7 @@
 //! either quota would), never more permissive.
 
 use super::{never, us};
-use crate::{Decision, Quota, Taken};
+use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct SlidingWindow {
@@ -31,6 +32,9 @@ pub(crate) struct SlidingWindow {
     pub(crate) current: u64,
     /// The period (µs) the windows were aligned to; 0 for a fresh state.
     pub(crate) period: u64,
+    /// Receipts from before this time (µs) refund nothing: the state was created or converted
+    /// then. 0 until the first permit is taken.
+    pub(crate) valid_from: u64,
 }
 
 impl SlidingWindow {
@@ -56,6 +60,7 @@ impl SlidingWindow {
                 previous: 0,
                 current: previous + current,
                 period,
+                valid_from: if old != 0 { now } else { self.valid_from },
             };
         }
         // A clock that stepped back stays in the newer window.
@@ -121,18 +126,32 @@ impl SlidingWindow {
         empty_from.saturating_sub(now)
     }
 
-    pub(crate) fn commit(&mut self, cost: u64) -> Taken {
+    pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         self.current += cost;
+        self.taken(now, cost)
+    }
+
+    /// A receipt for `cost` permits counted at `now` (in the current window), stamping a fresh
+    /// state's `valid_from`.
+    pub(crate) fn taken(&mut self, now: u64, cost: u64) -> Taken {
+        if self.valid_from == 0 && cost > 0 {
+            self.valid_from = now;
+        }
         Taken {
-            at: self.start,
+            at: now.max(self.start),
             cost,
+            algorithm: Algorithm::SlidingWindow,
         }
     }
 
     pub(crate) fn refund(&mut self, taken: Taken) {
-        if taken.at == self.start {
+        if taken.at < self.valid_from || self.period == 0 {
+            return;
+        }
+        let window = taken.at - taken.at % self.period;
+        if window == self.start {
             self.current = self.current.saturating_sub(taken.cost);
-        } else if taken.at + self.period == self.start {
+        } else if window + self.period == self.start {
             self.previous = self.previous.saturating_sub(taken.cost);
         }
     }

@@ -20,7 +20,7 @@
 //! faster rate.
 
 use super::{div_ceil, never, rescale_ceil, us};
-use crate::{Decision, Quota, Taken};
+use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TokenBucket {
@@ -31,6 +31,12 @@ pub(crate) struct TokenBucket {
     pub(crate) last: u64,
     /// Units per token when `missing` was written.
     pub(crate) scale: u64,
+    /// Units refilled per µs when `missing` was written.
+    pub(crate) rate: u64,
+    /// Receipts from before this time (µs) refund nothing: the state was created, or written
+    /// under another quota, then (a refund assumes the refill rate since the debit was its own).
+    /// 0 until the first permit is taken.
+    pub(crate) valid_from: u64,
 }
 
 /// Units per token and units refilled per microsecond, in lowest terms.
@@ -44,6 +50,8 @@ impl TokenBucket {
             missing: 0,
             last: 0,
             scale: quota.token_units(),
+            rate: quota.refill_units(),
+            valid_from: 0,
         }
     }
 
@@ -51,9 +59,11 @@ impl TokenBucket {
         let (scale, rate) = scale_and_rate(quota);
         let burst = quota.burst();
         let full = burst * scale;
-        if self.scale != scale {
+        if self.scale != scale || self.rate != rate {
             self.missing = rescale_ceil(self.missing, self.scale, scale);
             self.scale = scale;
+            self.rate = rate;
+            self.valid_from = now;
         }
         // A state left by a rule with a larger burst may miss more than this whole bucket: it
         // keeps that debt, so the larger rule reading it back never sees permits come back.
@@ -85,13 +95,26 @@ impl TokenBucket {
 
     pub(crate) fn commit(&mut self, quota: &Quota, cost: u64) -> Taken {
         self.missing += cost * quota.token_units();
+        self.taken(cost)
+    }
+
+    /// A receipt for `cost` tokens debited now (at `last`), stamping a fresh state's
+    /// `valid_from`.
+    pub(crate) fn taken(&mut self, cost: u64) -> Taken {
+        if self.valid_from == 0 && cost > 0 {
+            self.valid_from = self.last;
+        }
         Taken {
             at: self.last,
             cost,
+            algorithm: Algorithm::TokenBucket,
         }
     }
 
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {
+        if taken.at < self.valid_from {
+            return;
+        }
         let (scale, rate) = scale_and_rate(quota);
         let debt = taken.cost.min(quota.burst()) * scale;
         let elapsed = now.saturating_sub(taken.at);
@@ -211,6 +234,27 @@ mod tests {
         s.consume(2);
         s.refund(ten);
         assert_eq!(s.peek().remaining, 8, "the later request stays counted");
+    }
+
+    /// Another rate refilled the bucket since the debit: the refund cannot assume its own rate,
+    /// so it gives nothing (A at 1/s and B at 3/s, both burst 30, one scale).
+    #[test]
+    fn a_refund_after_another_rate_wrote_gives_nothing() {
+        let a = quota(1, 1000, 30);
+        let b = quota(3, 1000, 30);
+        let mut s = Sim::new(&a, T0);
+        s.consume(10);
+        let x = s.last_taken();
+        let mut on_b = s.with_quota(&b);
+        on_b.advance_ms(2_000);
+        assert!(on_b.consume(20).allowed);
+        let mut back = on_b.with_quota(&a);
+        back.refund(x);
+        assert_eq!(
+            back.peek().remaining,
+            6,
+            "24 missing of 30: the refund gave nothing"
+        );
     }
 
     /// The soundness issue's scale scenario: 1001/s then 1000/s on one key.

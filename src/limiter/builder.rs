@@ -168,8 +168,11 @@ impl<S: Store, P> LimiterBuilder<S, P> {
             0
         });
         let domains = self.store.failure_domains();
+        // Never reused, unlike an address: a receipt outlives nothing it could be confused with.
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Ok(Limiter {
             inner: Arc::new_cyclic(|me| Inner {
+                id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 me: me.clone(),
                 leases: Leases::new(lease_configs.into_boxed_slice()),
                 denials: (deny_cache > 0).then(|| DenialCache::new(deny_cache)),

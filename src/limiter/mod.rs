@@ -40,7 +40,7 @@ use policy::{Deadline, Policy};
 #[must_use = "a receipt does nothing unless it is refunded"]
 pub struct Receipt {
     /// The limiter that issued it (rule indexes are its own).
-    issuer: usize,
+    issuer: u64,
     parts: smallvec::SmallVec<[(usize, Key, Taken); 2]>,
 }
 
@@ -113,6 +113,8 @@ pub struct Limiter {
 }
 
 struct Inner {
+    /// Unique among the limiters of this process, so a receipt is refunded only by its issuer.
+    id: u64,
     /// This limiter, for the tasks that give leased permits back.
     me: std::sync::Weak<Inner>,
     store: Arc<dyn Store>,
@@ -377,8 +379,8 @@ impl Limiter {
         }
     }
 
-    fn id(&self) -> usize {
-        Arc::as_ptr(&self.inner) as usize
+    fn id(&self) -> u64 {
+        self.inner.id
     }
 }
 

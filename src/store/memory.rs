@@ -173,14 +173,15 @@ impl MemoryStore {
                 let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
                 let quota = r.rule.quota();
                 match shard.find(&check, hash) {
-                    Some(entry) => {
+                    // A receipt refunds only state of its own algorithm.
+                    Some(entry) if entry.state.fits(quota) => {
                         entry.state.decide(now, quota, 1);
                         entry.state.refund(now, quota, r.taken);
                         entry.expires_at = entry.state.expires_at(quota);
                         peek(&mut entry.state, now, quota)
                     }
-                    // Evicted or expired: nothing is outstanding any more.
-                    None => peek(&mut State::new(quota), now, quota),
+                    // Evicted, expired or another algorithm's: nothing is outstanding any more.
+                    _ => peek(&mut State::new(quota), now, quota),
                 }
             })
             .collect()
@@ -320,9 +321,9 @@ impl Inner {
     fn apply_one(&self, op: Op, check: &Check<'_>, now: u64) -> Decision {
         let hash = self.hash(check);
         let mut shard = lock(&self.shards[self.shard_of(hash)]);
-        let (mut decision, place, undo) = shard.decide(op, check, hash, now, self);
+        let (mut decision, place, undo) = shard.decide(op, check, hash, now, self, true);
         if op == Op::Consume && decision.allowed {
-            decision.taken = Some(shard.commit(check, hash, now, place, &decision, self));
+            decision.taken = Some(shard.commit(check, hash, now, place, &decision, self, true));
         } else {
             shard.restore(check, hash, undo);
         }
@@ -338,6 +339,13 @@ impl Inner {
         order.dedup();
         let mut guards: Vec<MutexGuard<'_, Shard>> =
             order.iter().map(|&i| lock(&self.shards[i])).collect();
+        // Make room once, before anything is decided: a sweep between deciding one check and
+        // committing another could evict the state a decision was made on.
+        for shard in guards.iter_mut() {
+            if shard.table.len() >= self.shard_capacity {
+                shard.sweep(now, self.shard_capacity);
+            }
+        }
         let slot = |hash: u64| {
             let shard = self.shard_of(hash);
             order.iter().position(|&i| i == shard).unwrap_or(0)
@@ -345,13 +353,13 @@ impl Inner {
         let mut decided: Vec<(Decision, Place, Option<State>)> = checks
             .iter()
             .zip(&hashes)
-            .map(|(c, &h)| guards[slot(h)].decide(op, c, h, now, self))
+            .map(|(c, &h)| guards[slot(h)].decide(op, c, h, now, self, false))
             .collect();
         let commit = op == Op::Consume && decided.iter().all(|(d, _, _)| d.allowed);
         for ((c, &h), (d, place, undo)) in checks.iter().zip(&hashes).zip(decided.iter_mut()) {
             let shard = &mut guards[slot(h)];
             if commit {
-                d.taken = Some(shard.commit(c, h, now, *place, d, self));
+                d.taken = Some(shard.commit(c, h, now, *place, d, self, false));
             } else {
                 shard.restore(c, h, undo.take());
                 if op == Op::Consume && d.allowed {
@@ -380,12 +388,20 @@ impl Shard {
         })
     }
 
-    /// Where the check's state is, evicting to make room for a new key if the shard is full.
-    fn locate(&mut self, check: &Check<'_>, hash: u64, now: u64, capacity: usize) -> Place {
+    /// Where the check's state is, evicting to make room for a new key if the shard is full
+    /// (when `may_sweep`).
+    fn locate(
+        &mut self,
+        check: &Check<'_>,
+        hash: u64,
+        now: u64,
+        capacity: usize,
+        may_sweep: bool,
+    ) -> Place {
         if self.find(check, hash).is_some() {
             return Place::Found;
         }
-        if self.table.len() >= capacity {
+        if may_sweep && self.table.len() >= capacity {
             self.sweep(now, capacity);
         }
         if self.table.len() < capacity {
@@ -408,7 +424,8 @@ impl Shard {
         &mut self.overflow[i].1
     }
 
-    /// Decide one check, and say where its state lives for the commit.
+    /// Decide one check, and say where its state lives for the commit. `may_sweep`: a new key
+    /// may make room by evicting (not in the middle of a batch).
     fn decide(
         &mut self,
         op: Op,
@@ -416,19 +433,17 @@ impl Shard {
         hash: u64,
         now: u64,
         store: &Inner,
+        may_sweep: bool,
     ) -> (Decision, Place, Option<State>) {
         let quota = check.rule.quota();
-        let place = self.locate(check, hash, now, store.shard_capacity);
-        let mut fresh;
+        let place = self.locate(check, hash, now, store.shard_capacity, may_sweep);
+        let mut fresh = State::new(quota);
         let state = match place {
             Place::Found => match self.find(check, hash) {
                 Some(entry) => fitted(&mut entry.state, quota),
-                None => unreachable!("located"),
+                None => &mut fresh,
             },
-            Place::Fresh => {
-                fresh = State::new(quota);
-                &mut fresh
-            }
+            Place::Fresh => &mut fresh,
             Place::Overflow => match store.overflow {
                 Overflow::Shared => fitted(self.overflow_state(check), quota),
                 Overflow::Refuse { retry_after } => {
@@ -446,10 +461,11 @@ impl Shard {
             .then(|| state.clone());
         let mut decision = state.decide(now, quota, check.cost);
         if place == Place::Found && converts {
-            // The conversion may change the state's expiry.
+            // The conversion may change the state's expiry and how much of it is used.
             let expires_at = state.expires_at(quota);
             if let Some(entry) = self.find(check, hash) {
                 entry.expires_at = expires_at;
+                entry.used = entry.used.max(used_share(&decision));
             }
         }
         if op != Op::Consume && decision.allowed {
@@ -466,6 +482,8 @@ impl Shard {
     }
 
     /// Take the permits of an admitted check where [`decide`](Shard::decide) found its state.
+    /// `may_sweep`: a new entry may sweep the shard first (not in the middle of a batch).
+    #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
         check: &Check<'_>,
@@ -474,32 +492,28 @@ impl Shard {
         place: Place,
         decision: &Decision,
         store: &Inner,
+        may_sweep: bool,
     ) -> crate::Taken {
         let quota = check.rule.quota();
         let used = used_share(decision);
-        match place {
-            Place::Overflow => self.overflow_state(check).commit(now, quota, check.cost),
-            Place::Found => match self.find(check, hash) {
-                Some(entry) => {
-                    let taken = entry.state.commit(now, quota, check.cost);
-                    entry.expires_at = entry.state.expires_at(quota);
-                    entry.used = used;
-                    taken
-                }
-                None => unreachable!("located"),
-            },
-            Place::Fresh => {
-                if self.table.len() >= self.next_sweep {
-                    self.sweep(now, store.shard_capacity);
-                }
-                let mut state = State::new(quota);
-                state.decide(now, quota, check.cost);
-                let taken = state.commit(now, quota, check.cost);
-                let expires_at = state.expires_at(quota);
-                self.insert(hash, check, state, expires_at, used);
-                taken
-            }
+        if place == Place::Overflow {
+            return self.overflow_state(check).commit(now, quota, check.cost);
         }
+        if let Some(entry) = self.find(check, hash) {
+            let taken = entry.state.commit(now, quota, check.cost);
+            entry.expires_at = entry.state.expires_at(quota);
+            entry.used = used;
+            return taken;
+        }
+        if may_sweep && self.table.len() >= self.next_sweep {
+            self.sweep(now, store.shard_capacity);
+        }
+        let mut state = State::new(quota);
+        state.decide(now, quota, check.cost);
+        let taken = state.commit(now, quota, check.cost);
+        let expires_at = state.expires_at(quota);
+        self.insert(hash, check, state, expires_at, used);
+        taken
     }
 
     /// Run `f` on the check's state, creating the entry if needed (a lease), then store its new
@@ -513,7 +527,7 @@ impl Shard {
         f: impl FnOnce(&mut State) -> T,
     ) -> Option<T> {
         let quota = check.rule.quota();
-        match self.locate(check, hash, now, capacity) {
+        match self.locate(check, hash, now, capacity, true) {
             Place::Overflow => return None,
             Place::Fresh => self.insert(hash, check, State::new(quota), 0, 0),
             Place::Found => {}
@@ -558,10 +572,14 @@ impl Shard {
             let drop = wanted.min(evictable.len());
             if drop > 0 {
                 let (_, &mut threshold, _) = evictable.select_nth_unstable(drop - 1);
-                let mut dropped = 0;
+                // Every entry below the threshold goes, and as many at it as make up `drop`.
+                let below = evictable.iter().filter(|&&u| u < threshold).count();
+                let mut at_threshold = drop - below;
                 self.table.retain(|e| {
-                    if e.used < threshold || (e.used == threshold && dropped < drop) {
-                        dropped += 1;
+                    if e.used < threshold {
+                        false
+                    } else if e.used == threshold && at_threshold > 0 {
+                        at_threshold -= 1;
                         false
                     } else {
                         true
@@ -608,13 +626,17 @@ impl MemoryStore {
             Some((None, _)) => return Err(StoreError::Script("cannot be leased".into())),
             // No room for the key: lease nothing, so requests go to the store one by one.
             None => {
-                let (d, _, _) = shard.decide(Op::Peek, &check, hash, now, inner);
+                let (d, _, _) = shard.decide(Op::Peek, &check, hash, now, inner, false);
                 return Ok(Lease {
                     permits: 0,
                     valid_until_us: now,
                     valid_for: Duration::ZERO,
                     state: d,
-                    taken: crate::Taken { at: now, cost: 0 },
+                    taken: crate::Taken {
+                        at: now,
+                        cost: 0,
+                        algorithm: quota.algorithm(),
+                    },
                 });
             }
         };
@@ -966,6 +988,111 @@ mod tests {
         let d = refusing.apply_now(Op::Consume, &one(&r, &a, 1))[0];
         assert!(!d.allowed);
         assert_eq!(d.retry_after, Some(Duration::from_secs(5)));
+    }
+
+    /// A receipt from an evicted entry never reaches the entry the key gets afterwards.
+    #[test]
+    fn a_receipt_survives_no_eviction() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let r = Rule::new(
+            "r",
+            Quota::per_hour(10)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let k = Key::new("k");
+        let half = s.apply_now(Op::Consume, &one(&r, &k, 5))[0].taken.unwrap();
+        clock.advance(Duration::from_millis(1));
+        // Keys that used more than half cannot be evicted; `k`, at half, is the one that goes.
+        // They expire a second later, leaving room for `k` to come back in the same hour.
+        let short = rule("short", Algorithm::FixedWindow, 10);
+        for i in 0..16u32 {
+            s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 6));
+        }
+        clock.advance(Duration::from_secs(1));
+        let mut admitted = 0;
+        while s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed {
+            admitted += 1;
+        }
+        assert_eq!(admitted, 10, "evicted, and back afresh");
+        let _ = s.refund_now(&[Refund {
+            rule: &r,
+            key: &k,
+            taken: half,
+        }]);
+        let after = s.apply_now(Op::Consume, &one(&r, &k, 1))[0];
+        assert!(
+            !after.allowed,
+            "{admitted} admitted since the eviction, and the old receipt made room for more"
+        );
+    }
+
+    /// Two checks in one full shard: deciding the second must not evict the first's state
+    /// between its decision and its commit.
+    #[test]
+    fn a_batch_in_a_full_shard_never_loses_its_state() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let short = rule("short", Algorithm::FixedWindow, 5);
+        let other = rule("other", Algorithm::FixedWindow, 5);
+        for i in 0..16u32 {
+            s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 1));
+        }
+        clock.advance(Duration::from_secs(2)); // everything expired, nothing swept yet
+        let (a, b) = (Key::new(0u32.to_be_bytes()), Key::new("new"));
+        let checks = [
+            Check {
+                rule: &short,
+                key: &a,
+                cost: 1,
+            },
+            Check {
+                rule: &other,
+                key: &b,
+                cost: 1,
+            },
+        ];
+        let d = s.apply_now(Op::Consume, &checks);
+        assert!(d.iter().all(|d| d.allowed && d.taken.is_some()));
+        assert_eq!(s.apply_now(Op::Peek, &checks[..1])[0].remaining, 4);
+    }
+
+    #[test]
+    fn a_receipt_of_another_algorithm_refunds_nothing_and_never_panics() {
+        let clock = ManualClock::default();
+        let s = store(&clock, 100);
+        let gcra = Rule::new(
+            "r",
+            Quota::per_second(10)
+                .algorithm(Algorithm::Gcra)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let window = rule("r", Algorithm::FixedWindow, 10);
+        let k = Key::new("k");
+        let taken = s.apply_now(Op::Consume, &one(&gcra, &k, 3))[0]
+            .taken
+            .unwrap();
+        let d = s.refund_now(&[Refund {
+            rule: &window,
+            key: &k,
+            taken,
+        }]);
+        assert_eq!(d[0].remaining, 10);
+        s.apply_now(Op::Consume, &one(&window, &k, 4));
+        let d = s.refund_now(&[Refund {
+            rule: &window,
+            key: &k,
+            taken,
+        }]);
+        assert_eq!(
+            d[0].remaining, 6,
+            "a GCRA receipt gave a window permits back"
+        );
     }
 
     #[test]

@@ -73,7 +73,8 @@ end
 if op == 'refund' then
   for _, c in ipairs(checks) do
     c.alg.decide(c.st, now, c.q, 1)
-    c.alg.refund(c.st, now, c.q, c.at, c.cost)
+    -- A receipt of another algorithm comes with cost 0: it refunds nothing.
+    if c.cost > 0 then c.alg.refund(c.st, now, c.q, c.at, c.cost) end
     c.alg.save(c.st, now, c.q)
     emit(peek(c), -1)
   end

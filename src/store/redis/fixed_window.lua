@@ -1,10 +1,11 @@
 -- Fixed window: src/algorithm/fixed_window.rs, line for line.
--- State: HASH { s = start, c = count, p = the period the window was aligned to }.
+-- State: HASH { s = start, c = count, p = the period the window was aligned to, v = receipts
+-- from before this time refund nothing }.
 local fixed_window = {}
 
 function fixed_window.load(key)
-  local v = hash_numbers(key, { 's', 'c', 'p' })
-  return { key = key, start = v[1] or 0, count = v[2] or 0, period = v[3] or 0 }
+  local v = hash_numbers(key, { 's', 'c', 'p', 'v' })
+  return { key = key, start = v[1] or 0, count = v[2] or 0, period = v[3] or 0, valid_from = v[4] or 0 }
 end
 
 function fixed_window.decide(st, now, q, cost)
@@ -12,7 +13,10 @@ function fixed_window.decide(st, now, q, cost)
   local window = now - (now % period)
   if st.period ~= period then
     -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
-    if st.period ~= 0 then st.dirty = true end
+    if st.period ~= 0 then
+      st.dirty = true
+      st.valid_from = now
+    end
     if now >= st.start + st.period then st.count = 0 end
     st.start = window
     st.period = period
@@ -32,20 +36,27 @@ function fixed_window.decide(st, now, q, cost)
   return { 0, limit, remaining, reset_after, to_end }
 end
 
+function fixed_window.taken(st, now, cost)
+  if st.valid_from == 0 and cost > 0 then st.valid_from = now end
+  return math.max(now, st.start)
+end
+
 function fixed_window.commit(st, now, q, cost)
   st.count = st.count + cost
-  return st.start
+  return fixed_window.taken(st, now, cost)
 end
 
 function fixed_window.refund(st, now, q, at, cost)
-  if at == st.start then st.count = math.max(st.count - cost, 0) end
+  if at < st.valid_from or st.period == 0 then return end
+  if at - (at % st.period) == st.start then st.count = math.max(st.count - cost, 0) end
 end
 
 function fixed_window.save(st, now, q)
   local expires_at = 0
   if st.count > 0 then expires_at = st.start + q.period end
   if expires_at > now then
-    redis.call('HSET', st.key, 's', int(st.start), 'c', int(st.count), 'p', int(st.period))
+    redis.call('HSET', st.key, 's', int(st.start), 'c', int(st.count), 'p', int(st.period),
+      'v', int(st.valid_from))
   end
   expire_at(st.key, expires_at, now)
 end
@@ -53,5 +64,5 @@ end
 function fixed_window.lease(st, now, q, max, max_validity)
   local permits = math.min(max, math.max(q.limit - st.count, 0))
   st.count = st.count + permits
-  return permits, math.min(now + max_validity, st.start + q.period), st.start
+  return permits, math.min(now + max_validity, st.start + q.period), fixed_window.taken(st, now, permits)
 end

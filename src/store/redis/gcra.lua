@@ -1,10 +1,11 @@
 -- GCRA: src/algorithm/gcra.rs, line for line.
--- State: HASH { t = theoretical arrival time (µs), e = the emission interval it was written under }.
+-- State: HASH { t = theoretical arrival time (µs), e = the emission interval it was written under,
+-- v = receipts from before this time refund nothing }.
 local gcra = {}
 
 function gcra.load(key)
-  local v = hash_numbers(key, { 't', 'e' })
-  return { key = key, tat = v[1] or 0, emission = v[2] or 0 }
+  local v = hash_numbers(key, { 't', 'e', 'v' })
+  return { key = key, tat = v[1] or 0, emission = v[2] or 0, valid_from = v[3] or 0 }
 end
 
 function gcra.decide(st, now, q, cost)
@@ -15,6 +16,7 @@ function gcra.decide(st, now, q, cost)
       -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
       st.dirty = true
       st.tat = now + rescale_ceil(st.tat - now, st.emission, t)
+      st.valid_from = now
     end
     st.emission = t
   end
@@ -29,12 +31,18 @@ function gcra.decide(st, now, q, cost)
   return { 0, burst, remaining, ahead, new_ahead - horizon }
 end
 
-function gcra.commit(st, now, q, cost)
-  st.tat = math.max(st.tat, now) + cost * q.emission
+function gcra.taken(st, now, cost)
+  if st.valid_from == 0 and cost > 0 then st.valid_from = now end
   return now
 end
 
+function gcra.commit(st, now, q, cost)
+  st.tat = math.max(st.tat, now) + cost * q.emission
+  return gcra.taken(st, now, cost)
+end
+
 function gcra.refund(st, now, q, at, cost)
+  if at < st.valid_from then return end
   local debt = math.min(cost, q.burst) * q.emission
   local elapsed = math.max(now - at, 0)
   if elapsed >= debt then return end
@@ -43,7 +51,7 @@ end
 
 function gcra.save(st, now, q)
   if st.tat > now then
-    redis.call('HSET', st.key, 't', int(st.tat), 'e', int(st.emission))
+    redis.call('HSET', st.key, 't', int(st.tat), 'e', int(st.emission), 'v', int(st.valid_from))
   end
   expire_at(st.key, st.tat, now)
 end
@@ -54,5 +62,5 @@ function gcra.lease(st, now, q, max, max_validity)
   local tat = math.max(st.tat, now)
   local permits = math.min(max, math.floor(math.max(horizon - (tat - now), 0) / t))
   st.tat = tat + permits * t
-  return permits, now + max_validity, now
+  return permits, now + max_validity, gcra.taken(st, now, permits)
 end

@@ -398,28 +398,27 @@ impl Inner {
     /// One script call for `checks`, within the deadline.
     async fn invoke(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
         let values = self.call(op_name(op), checks, &[], None).await?;
-        let mut decisions = parse_decisions(&values, checks.len())?;
-        for (d, c) in decisions.iter_mut().zip(checks) {
-            if let Some(taken) = d.taken.as_mut() {
-                taken.cost = c.cost;
-            }
-        }
-        Ok(decisions)
+        parse_decisions(&values, checks)
     }
 
     /// One script call giving back what `refunds` took (one slot).
     async fn invoke_refund(&self, refunds: &[Refund<'_>]) -> Result<Vec<Decision>, StoreError> {
+        // A receipt refunds only state of its own algorithm: another's gives back nothing.
         let checks: Vec<Check<'_>> = refunds
             .iter()
             .map(|r| Check {
                 rule: r.rule,
                 key: r.key,
-                cost: r.taken.cost,
+                cost: if r.taken.fits(r.rule.quota().algorithm()) {
+                    r.taken.cost
+                } else {
+                    0
+                },
             })
             .collect();
         let anchors: Vec<u64> = refunds.iter().map(|r| r.taken.at).collect();
         let values = self.call("refund", &checks, &anchors, None).await?;
-        parse_decisions(&values, checks.len())
+        parse_decisions(&values, &checks)
     }
 
     /// Run the script: `op` on `checks`, with receipts' `anchors` (refunds) and `extra` as the
@@ -509,17 +508,20 @@ impl Inner {
     }
 }
 
-fn parse_decisions(values: &[i64], n: usize) -> Result<Vec<Decision>, StoreError> {
-    if values.len() != PER_DECISION * n {
+/// The script's numbers as one decision per check (receipts name the check's cost and
+/// algorithm).
+fn parse_decisions(values: &[i64], checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
+    if values.len() != PER_DECISION * checks.len() {
         return Err(StoreError::Protocol(format!(
             "expected {} numbers from the script, got {}",
-            PER_DECISION * n,
+            PER_DECISION * checks.len(),
             values.len()
         )));
     }
     values
         .chunks_exact(PER_DECISION)
-        .map(|v| {
+        .zip(checks)
+        .map(|(v, check)| {
             let non_negative = |x: i64| {
                 u64::try_from(x)
                     .map_err(|_| StoreError::Protocol(format!("negative value {x} in a decision")))
@@ -539,7 +541,11 @@ fn parse_decisions(values: &[i64], n: usize) -> Result<Vec<Decision>, StoreError
             } else {
                 Decision::deny(limit, remaining, us(reset), retry)
             };
-            d.taken = u64::try_from(v[5]).ok().map(|at| Taken { at, cost: 0 });
+            d.taken = u64::try_from(v[5]).ok().map(|at| Taken {
+                at,
+                cost: check.cost,
+                algorithm: check.rule.quota().algorithm(),
+            });
             Ok(d)
         })
         .collect()
@@ -654,7 +660,7 @@ impl Store for RedisStore {
                 )));
             }
             let (decision, rest) = values.split_at(PER_DECISION);
-            let state = parse_decisions(decision, 1)?
+            let state = parse_decisions(decision, std::slice::from_ref(&check))?
                 .into_iter()
                 .next()
                 .ok_or_else(|| StoreError::Protocol("no decision".into()))?;
@@ -673,6 +679,7 @@ impl Store for RedisStore {
                 taken: Taken {
                     at: number(rest[3])?,
                     cost: permits,
+                    algorithm: check.rule.quota().algorithm(),
                 },
             })
         })

@@ -1,11 +1,14 @@
 -- Sliding window counter: src/algorithm/sliding_window.rs, line for line.
 -- State: HASH { s = start of the current window, p = previous count, c = current count,
--- w = the period the windows were aligned to }.
+-- w = the period the windows were aligned to, v = receipts from before this time refund nothing }.
 local sliding_window = {}
 
 function sliding_window.load(key)
-  local v = hash_numbers(key, { 's', 'p', 'c', 'w' })
-  return { key = key, start = v[1] or 0, previous = v[2] or 0, current = v[3] or 0, period = v[4] or 0 }
+  local v = hash_numbers(key, { 's', 'p', 'c', 'w', 'v' })
+  return {
+    key = key, start = v[1] or 0, previous = v[2] or 0, current = v[3] or 0, period = v[4] or 0,
+    valid_from = v[5] or 0,
+  }
 end
 
 local function sw_reset_after(st, now, period)
@@ -39,7 +42,10 @@ function sliding_window.decide(st, now, q, cost)
   local window = now - (now % period)
   if st.period ~= period then
     -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
-    if st.period ~= 0 then st.dirty = true end
+    if st.period ~= 0 then
+      st.dirty = true
+      st.valid_from = now
+    end
     local old = st.period
     local previous, current = 0, 0
     if now < st.start + old then previous = st.previous end
@@ -67,15 +73,22 @@ function sliding_window.decide(st, now, q, cost)
   return { 0, limit, remaining, reset_after, sw_retry_at(st, q, cost) - now }
 end
 
+function sliding_window.taken(st, now, cost)
+  if st.valid_from == 0 and cost > 0 then st.valid_from = now end
+  return math.max(now, st.start)
+end
+
 function sliding_window.commit(st, now, q, cost)
   st.current = st.current + cost
-  return st.start
+  return sliding_window.taken(st, now, cost)
 end
 
 function sliding_window.refund(st, now, q, at, cost)
-  if at == st.start then
+  if at < st.valid_from or st.period == 0 then return end
+  local window = at - (at % st.period)
+  if window == st.start then
     st.current = math.max(st.current - cost, 0)
-  elseif at + st.period == st.start then
+  elseif window + st.period == st.start then
     st.previous = math.max(st.previous - cost, 0)
   end
 end
@@ -89,7 +102,7 @@ function sliding_window.save(st, now, q)
   end
   if expires_at > now then
     redis.call('HSET', st.key, 's', int(st.start), 'p', int(st.previous), 'c', int(st.current),
-      'w', int(st.period))
+      'w', int(st.period), 'v', int(st.valid_from))
   end
   expire_at(st.key, expires_at, now)
 end
@@ -101,5 +114,5 @@ function sliding_window.lease(st, now, q, max, max_validity)
   local room = math.floor(math.max(q.limit * p_ms - weighted, 0) / p_ms)
   local permits = math.min(max, room)
   st.current = st.current + permits
-  return permits, math.min(now + max_validity, st.start + q.period), st.start
+  return permits, math.min(now + max_validity, st.start + q.period), sliding_window.taken(st, now, permits)
 end
