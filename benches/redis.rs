@@ -95,7 +95,7 @@ fn bench(c: &mut Criterion) {
         let r = rule(algorithm);
         let limiter = rt.block_on(async {
             let store = RedisStore::builder()
-                .timeout(Duration::from_secs(5))
+                .connect_timeout(Duration::from_secs(5))
                 .connect(&server.1)
                 .await
                 .unwrap();
@@ -189,7 +189,7 @@ fn bench(c: &mut Criterion) {
         let r = rule(Algorithm::Gcra);
         let limiter = rt.block_on(async {
             let store = RedisStore::builder()
-                .timeout(Duration::from_secs(5))
+                .connect_timeout(Duration::from_secs(5))
                 .connect(&server.1)
                 .await
                 .unwrap();

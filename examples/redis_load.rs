@@ -31,7 +31,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The demo server's default algorithm, with a limit no run reaches.
     let rule = Rule::new("demo", Quota::per_second(1_000_000_000).build()?)?;
     let store = RedisStore::builder()
-        .timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
         .connect(&url)
         .await?;
     let mut builder = Limiter::builder(store)

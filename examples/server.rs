@@ -358,6 +358,48 @@ async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
     builder.build().map_err(|e| e.to_string())
 }
 
+/// Writes log lines to stderr with every secret (a Redis password) replaced.
+#[derive(Clone)]
+struct Redacted {
+    secrets: std::sync::Arc<Vec<String>>,
+}
+
+impl std::io::Write for Redacted {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut line = String::from_utf8_lossy(buf).into_owned();
+        for secret in self.secrets.iter() {
+            line = line.replace(secret.as_str(), "***");
+        }
+        std::io::stderr().write_all(line.as_bytes())?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Redacted {
+    type Writer = Redacted;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// The passwords in a store URL (`redis://user:PASSWORD@host`), to keep out of logs.
+fn secrets(store: &str) -> Vec<String> {
+    store
+        .split(',')
+        .filter_map(|part| {
+            let rest = part.split_once("://").map_or(part, |(_, r)| r);
+            let (userinfo, _) = rest.rsplit_once('@')?;
+            let (_, password) = userinfo.split_once(':')?;
+            (!password.is_empty()).then(|| password.to_owned())
+        })
+        .collect()
+}
+
 fn main() -> ExitCode {
     let options = match parse_args(std::env::args().skip(1)) {
         Ok(Command::Run(o)) => o,
@@ -370,6 +412,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Logs (breakers, an unreachable Redis) go to stderr, passwords replaced.
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(Redacted {
+            secrets: std::sync::Arc::new(secrets(&options.store)),
+        })
+        .with_ansi(false)
+        .try_init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -575,6 +625,15 @@ mod tests {
             "rediss://app:***@cache:6380"
         );
         assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(
+            secrets("redis://:s3cretpw@h:1"),
+            vec!["s3cretpw".to_string()]
+        );
+        assert_eq!(
+            secrets("redis://app:pw@h:1,redis://h:2"),
+            vec!["pw".to_string()]
+        );
+        assert!(secrets("memory").is_empty());
         let err = parse(&["--store", "redis://:s3cretpw@127.0.0.1:1"]).unwrap_err();
         assert!(!err.contains("s3cretpw"), "{err}");
     }

@@ -428,7 +428,7 @@ fn the_fleet_never_passes_the_bound_on_redis() {
     let store = rt
         .block_on(
             RedisStore::builder()
-                .timeout(Duration::from_secs(2))
+                .connect_timeout(Duration::from_secs(2))
                 .clock(clock.clone())
                 .connect(&server.url()),
         )

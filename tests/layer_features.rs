@@ -316,7 +316,7 @@ async fn several_limits_are_all_or_nothing_on_memory() {
 async fn several_limits_are_all_or_nothing_on_redis() {
     let server = support::redis::RedisServer::start();
     let store = RedisStore::builder()
-        .timeout(Duration::from_secs(2))
+        .connect_timeout(Duration::from_secs(2))
         .connect(&server.url())
         .await
         .unwrap();

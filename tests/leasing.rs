@@ -34,7 +34,7 @@ async fn limiter(
 ) -> Limiter {
     let store = RedisStore::builder()
         .clock(clock.clone())
-        .timeout(Duration::from_secs(2))
+        .connect_timeout(Duration::from_secs(2))
         .connect(&server.url())
         .await
         .unwrap();

@@ -29,11 +29,7 @@ fn rule(limit: u64) -> Rule {
 }
 
 async fn limiter(url: &str, policy: OnStoreError, limit: u64) -> Limiter {
-    let store = RedisStore::builder()
-        .timeout(DEADLINE)
-        .connect(url)
-        .await
-        .unwrap();
+    let store = RedisStore::builder().connect(url).await.unwrap();
     Limiter::builder(store)
         .rule(rule(limit))
         .on_store_error(policy)
@@ -295,7 +291,6 @@ async fn restarted_redis_is_used_again_and_limits_hold_from_its_state() {
 async fn a_dead_cluster_master_only_degrades_its_own_keys() {
     let mut cluster = RedisCluster::start();
     let store = RedisStore::builder()
-        .timeout(DEADLINE)
         .cluster(&cluster.urls())
         .await
         .unwrap();

@@ -14,7 +14,7 @@ use support::redis::{RedisCluster, RedisServer, RespValue};
 
 /// A store with a deadline generous enough for a loaded 2-core CI machine.
 fn test_store() -> fleetlimit::store::RedisStoreBuilder {
-    RedisStore::builder().timeout(Duration::from_secs(2))
+    RedisStore::builder().connect_timeout(Duration::from_secs(2))
 }
 
 /// SplitMix64, so every run replays the same sequences.
@@ -80,7 +80,15 @@ fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str) -> Rule {
 /// The same random sequence of consumes, peeks, refunds by receipt, leases and give-backs, quota
 /// changes and clock moves through the memory store and the Redis store (both on one manual
 /// clock) must give identical decisions, field by field (receipts included).
-async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: usize) {
+/// `one_slot`: batches of checks share a key (a cluster decides a batch on one slot; the limiter
+/// composes slots, see `tests/limiter_redis.rs`).
+async fn differential(
+    redis: RedisStore,
+    clock: ManualClock,
+    seed: u64,
+    steps: usize,
+    one_slot: bool,
+) {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let mut rng = Rng(seed);
     let keys: Vec<Key> = (0..4).map(|i| Key::new(format!("k{i}:{{x}}"))).collect();
@@ -164,7 +172,11 @@ async fn differential(redis: RedisStore, clock: ManualClock, seed: u64, steps: u
                 _ => Op::Consume,
             };
             let key = &keys[rng.below(keys.len() as u64) as usize];
-            let other = &keys[rng.below(keys.len() as u64) as usize];
+            let other = if one_slot {
+                key
+            } else {
+                &keys[rng.below(keys.len() as u64) as usize]
+            };
             let r = step % 2;
             let capacity = rules[r]
                 .quota()
@@ -247,7 +259,7 @@ async fn redis_decides_exactly_like_memory_on_a_standalone_server() {
         .connect(&server.url())
         .await
         .unwrap();
-    differential(store, clock, 1, 400).await;
+    differential(store, clock, 1, 400, false).await;
 }
 
 #[tokio::test]
@@ -259,7 +271,7 @@ async fn redis_decides_exactly_like_memory_on_a_cluster() {
         .cluster(&cluster.urls())
         .await
         .unwrap();
-    differential(store, clock, 2, 250).await;
+    differential(store, clock, 2, 250, true).await;
 }
 
 #[tokio::test]
@@ -312,7 +324,7 @@ async fn a_fleet_of_eight_never_exceeds_the_limit() {
     for _ in 0..8 {
         fleet.push(
             RedisStore::builder()
-                .timeout(Duration::from_secs(5))
+                .connect_timeout(Duration::from_secs(5))
                 .connect(&server.url())
                 .await
                 .unwrap(),
@@ -415,30 +427,47 @@ async fn on_a_cluster_keys_spread_over_every_master_and_never_cross_slots() {
         Duration::from_secs(60),
         None,
     );
+    let limiter = fleetlimit::Limiter::builder(store.clone())
+        .rule(per_account.clone())
+        .rule(per_ip.clone())
+        .on_store_error(fleetlimit::OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .deny_cache(0)
+        .build()
+        .unwrap();
     let mut nodes_hit = HashSet::new();
     for i in 0..60 {
         let account = Key::new(format!("acct-{i}"));
         let ip = Key::new(format!("10.0.0.{i}"));
         // Two rules whose keys sit on different slots: no CROSSSLOT, all-or-nothing kept.
-        let checks = [
-            Check {
-                rule: &per_account,
-                key: &account,
-                cost: 1,
-            },
-            Check {
-                rule: &per_ip,
-                key: &ip,
-                cost: 1,
-            },
-        ];
+        let targets = [("account", &account), ("ip", &ip)];
         for _ in 0..3 {
-            let d = store.apply(Op::Consume, &checks).await.unwrap();
-            assert!(d.iter().all(|d| d.allowed));
+            let d = limiter.apply_to(Op::Consume, &targets, 1).await.unwrap();
+            assert!(d.iter().all(|d| d.allowed && !d.degraded));
         }
-        let d = store.apply(Op::Consume, &checks).await.unwrap();
+        let d = limiter.apply_to(Op::Consume, &targets, 1).await.unwrap();
         assert!(d[0].allowed && !d[1].allowed, "the per-IP rule denies");
         assert_eq!(d[0].remaining, 2, "and the account rule keeps its permit");
+        // Both rules of one key share its slot: one atomic call.
+        let both = store
+            .apply(
+                Op::Peek,
+                &[
+                    Check {
+                        rule: &per_account,
+                        key: &account,
+                        cost: 1,
+                    },
+                    Check {
+                        rule: &per_ip,
+                        key: &account,
+                        cost: 1,
+                    },
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(both.len(), 2);
         let key = store.key_for(&per_account, &account);
         let server_slot = cluster.keyslot(&key);
         assert_eq!(
@@ -453,7 +482,8 @@ async fn on_a_cluster_keys_spread_over_every_master_and_never_cross_slots() {
         let n = node.cmd(&["DBSIZE"]).unwrap().as_int().unwrap();
         assert!(n > 0, "every master holds state");
     }
-    // The account rule was refunded after every cross-slot denial: 3 taken, 2 left.
+    // The account rule was given back through its receipt after every cross-slot denial: 3
+    // taken, 2 left.
     let peek = store
         .apply(
             Op::Peek,
@@ -670,7 +700,7 @@ async fn skewed_app_clocks_do_not_matter_because_redis_keeps_time() {
     let connect = |clock: Option<ManualClock>| {
         let url = server.url();
         async move {
-            let mut b = RedisStore::builder().timeout(Duration::from_secs(2));
+            let mut b = RedisStore::builder().connect_timeout(Duration::from_secs(2));
             if let Some(c) = clock {
                 b = b.clock(c);
             }
@@ -721,27 +751,77 @@ async fn skewed_app_clocks_do_not_matter_because_redis_keeps_time() {
     assert!(consume_until_denied(a, b, Key::new("skewed")).await > 10);
 }
 
+/// Configuration errors against a live server that would otherwise accept the connection.
 #[tokio::test]
 async fn bad_configuration_is_an_error_not_a_panic() {
-    assert!(RedisStore::builder()
-        .prefix("a{b")
-        .connect("redis://127.0.0.1:1")
-        .await
-        .is_err());
-    assert!(RedisStore::builder()
-        .timeout(Duration::ZERO)
-        .connect("redis://127.0.0.1:1")
-        .await
-        .is_err());
-    assert!(RedisStore::connect("not a url").await.is_err());
-    // Nothing listens on port 1: a connection error within the deadline, not a hang.
+    let server = RedisServer::start();
+    let invalid = |r: Result<RedisStore, fleetlimit::Error>, setting: &str| match r {
+        Err(fleetlimit::Error::Config(fleetlimit::ConfigError::Invalid { setting: s, .. })) => {
+            assert_eq!(s, setting)
+        }
+        other => panic!("expected an invalid {setting}, got {other:?}"),
+    };
+    assert!(
+        test_store().connect(&server.url()).await.is_ok(),
+        "the server is fine"
+    );
+    invalid(
+        RedisStore::builder()
+            .prefix("a{b")
+            .connect(&server.url())
+            .await,
+        "prefix",
+    );
+    invalid(
+        RedisStore::builder()
+            .connect_timeout(Duration::ZERO)
+            .connect(&server.url())
+            .await,
+        "connect_timeout",
+    );
+    invalid(RedisStore::connect("not a url").await, "url");
+}
+
+/// A server that is not there yet is not an error: the store is built at once, its calls fail
+/// fast (so the limiter's policy decides), and it connects when Redis appears.
+#[tokio::test]
+async fn a_store_builds_while_redis_is_away_and_connects_when_it_comes() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    server.kill();
     let started = std::time::Instant::now();
-    assert!(RedisStore::builder()
-        .timeout(Duration::from_millis(200))
-        .connect("redis://127.0.0.1:1")
+    let store = RedisStore::builder()
+        .connect_timeout(Duration::from_millis(300))
+        .connect(&url)
         .await
-        .is_err());
-    assert!(started.elapsed() < Duration::from_secs(5));
+        .expect("built while Redis is away");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let r = rule(
+        "late",
+        Algorithm::FixedWindow,
+        2,
+        Duration::from_secs(60),
+        None,
+    );
+    let k = Key::new("k");
+    let check = [Check {
+        rule: &r,
+        key: &k,
+        cost: 1,
+    }];
+    assert!(store.apply(Op::Consume, &check).await.is_err());
+    server.restart();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match store.apply(Op::Consume, &check).await {
+            Ok(d) => {
+                assert!(d[0].allowed && d[0].remaining == 1);
+                break;
+            }
+            Err(e) => assert!(std::time::Instant::now() < deadline, "never connected: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let _ = RespValue::Int(0);
 }
 

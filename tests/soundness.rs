@@ -47,7 +47,7 @@ impl Backend {
             Backend::Memory(store) => Limiter::builder(store.clone()).rule(rule).build().unwrap(),
             Backend::Redis(server) => {
                 let store = RedisStore::builder()
-                    .timeout(Duration::from_secs(2))
+                    .connect_timeout(Duration::from_secs(2))
                     .clock(clock.clone())
                     .connect(&server.url())
                     .await

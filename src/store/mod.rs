@@ -73,6 +73,9 @@ pub struct Lease {
 /// Shared rate-limit state. Implementations must make each call atomic across its checks.
 pub trait Store: Send + Sync + 'static {
     /// Apply `op` to every check as one atomic step, returning one decision per check, in order.
+    /// The checks of one call share a failure domain ([`failure_domain`](Store::failure_domain)):
+    /// on a Redis Cluster, one slot, which every rule on one key shares. The
+    /// [`Limiter`](crate::Limiter) composes checks on several domains, through receipts.
     ///
     /// For [`Op::Consume`], when any check denies, nothing is taken from any of them; the
     /// decisions of the checks that would have admitted then report `allowed: true` with the

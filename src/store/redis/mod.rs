@@ -19,6 +19,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
+use tokio::sync::OnceCell;
 
 use super::{BoxFuture, Check, Lease, Op, Refund, Store};
 use crate::algorithm::us;
@@ -36,8 +37,8 @@ pub fn display_key(rule: &crate::Rule, key: &crate::Key) -> String {
     String::from_utf8_lossy(&redis_key(DEFAULT_PREFIX, rule, key)).into_owned()
 }
 
-/// The default deadline for one store call.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+/// The default time allowed to establish a connection.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "fleetlimit:";
@@ -81,14 +82,23 @@ struct Inner {
     conn: Conn,
     script: Script,
     prefix: Box<str>,
-    timeout: Duration,
+    connect_timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
 }
 
+/// A connection made on first use (or when the store is built, if Redis answers then), so a
+/// store can be built while Redis is away: until it answers, calls fail and the limiter's outage
+/// policy decides.
 enum Conn {
     /// One multiplexed, pipelined connection that reconnects by itself.
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Single {
+        client: redis::Client,
+        manager: OnceCell<ConnectionManager>,
+    },
+    Cluster {
+        client: Box<redis::cluster::ClusterClient>,
+        conn: OnceCell<ClusterConnection>,
+    },
     /// A user's pool: one connection is taken out and shared (multiplexed) until it fails, so
     /// the hot path never pays a checkout.
     Pool {
@@ -97,17 +107,24 @@ enum Conn {
     },
 }
 
+/// A connection ready for one call.
+enum Ready {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+    Pooled(MultiplexedConnection),
+}
+
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.inner.conn {
-            Conn::Single(_) => "standalone",
-            Conn::Cluster(_) => "cluster",
+            Conn::Single { .. } => "standalone",
+            Conn::Cluster { .. } => "cluster",
             Conn::Pool { .. } => "pool",
         };
         f.debug_struct("RedisStore")
             .field("kind", &kind)
             .field("prefix", &self.inner.prefix)
-            .field("timeout", &self.inner.timeout)
+            .field("connect_timeout", &self.inner.connect_timeout)
             .field("explicit_clock", &self.inner.clock.is_some())
             .finish()
     }
@@ -118,7 +135,7 @@ impl std::fmt::Debug for RedisStore {
 #[must_use = "a builder does nothing until it connects"]
 pub struct RedisStoreBuilder {
     prefix: String,
-    timeout: Duration,
+    connect_timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
 }
 
@@ -126,7 +143,7 @@ impl Default for RedisStoreBuilder {
     fn default() -> Self {
         RedisStoreBuilder {
             prefix: DEFAULT_PREFIX.into(),
-            timeout: DEFAULT_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             clock: None,
         }
     }
@@ -140,10 +157,11 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The deadline for each store call, connecting included (default 50 ms). A call that misses
-    /// it is a [`StoreError::Timeout`], never retried: the script may have run.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+    /// How long establishing a connection may take (default 2 s), when the store is built and
+    /// when it reconnects. Calls themselves have no deadline of their own: the
+    /// [`Limiter`](crate::Limiter)'s deadline covers each decision, connecting included.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -161,9 +179,9 @@ impl RedisStoreBuilder {
                 reason: format!("{:?} must not contain '{{' or '}}'", self.prefix),
             });
         }
-        if self.timeout.is_zero() {
+        if self.connect_timeout.is_zero() {
             return Err(ConfigError::Invalid {
-                setting: "timeout",
+                setting: "connect_timeout",
                 reason: "must be greater than zero".into(),
             });
         }
@@ -176,59 +194,49 @@ impl RedisStoreBuilder {
                 conn,
                 script: Script::new(SCRIPT),
                 prefix: self.prefix.into(),
-                timeout: self.timeout,
+                connect_timeout: self.connect_timeout,
                 clock: self.clock,
             }),
         }
     }
 
-    /// Connect to a standalone server (`redis://host:port[/db]`, `rediss://…`).
+    /// Connect to a standalone server (`redis://host:port[/db]`, `rediss://…`). A malformed URL
+    /// or a server older than Redis 5.0 is an error; an unreachable server is not: the store is
+    /// built, logs a warning, and connects when Redis answers (meanwhile the limiter's outage
+    /// policy decides).
     pub async fn connect(self, url: &str) -> Result<RedisStore, Error> {
         self.validate()?;
         let client = redis::Client::open(url).map_err(|e| ConfigError::Invalid {
             setting: "url",
             reason: e.to_string(),
         })?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        let manager = tokio::time::timeout(
-            self.timeout.max(Duration::from_secs(2)),
-            ConnectionManager::new_with_config(client, config),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout.max(Duration::from_secs(2))))?
-        .map_err(store_error)?;
-        let mut conn = manager.clone();
-        check_version(&mut conn, self.timeout.max(Duration::from_secs(2))).await?;
-        Ok(self.finish(Conn::Single(manager)))
+        let store = self.finish(Conn::Single {
+            client,
+            manager: OnceCell::new(),
+        });
+        store.try_first_connection().await?;
+        Ok(store)
     }
 
-    /// Connect to a Redis Cluster through any of its nodes.
+    /// Connect to a Redis Cluster through any of its nodes; as [`connect`](Self::connect), an
+    /// unreachable cluster is not an error.
     pub async fn cluster<U: AsRef<str>>(self, urls: &[U]) -> Result<RedisStore, Error> {
         self.validate()?;
         let nodes: Vec<&str> = urls.iter().map(AsRef::as_ref).collect();
         let client = redis::cluster::ClusterClient::builder(nodes)
-            .connection_timeout(self.timeout.max(Duration::from_millis(250)))
-            .response_timeout(self.timeout)
+            .connection_timeout(self.connect_timeout)
             .retries(1)
             .build()
             .map_err(|e| ConfigError::Invalid {
                 setting: "urls",
                 reason: e.to_string(),
             })?;
-        let conn = tokio::time::timeout(
-            self.timeout.max(Duration::from_secs(5)),
-            client.get_async_connection(),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout.max(Duration::from_secs(5))))?
-        .map_err(store_error)?;
-        let mut probe = conn.clone();
-        check_version(&mut probe, self.timeout.max(Duration::from_secs(5))).await?;
-        Ok(self.finish(Conn::Cluster(conn)))
+        let store = self.finish(Conn::Cluster {
+            client: Box::new(client),
+            conn: OnceCell::new(),
+        });
+        store.try_first_connection().await?;
+        Ok(store)
     }
 
     /// Use connections from a `deadpool-redis` pool. One connection is checked out and shared
@@ -242,16 +250,40 @@ impl RedisStoreBuilder {
     }
 }
 
+impl RedisStore {
+    /// Connect now if Redis answers: a server that is too old is a configuration error; one that
+    /// does not answer is only a warning.
+    async fn try_first_connection(&self) -> Result<(), Error> {
+        match self.inner.connection().await {
+            Ok(_) => Ok(()),
+            Err(StoreError::Script(reason)) if reason.starts_with(TOO_OLD) => {
+                Err(ConfigError::Invalid {
+                    setting: "url",
+                    reason,
+                }
+                .into())
+            }
+            Err(error) => {
+                tracing::warn!(
+                    %error,
+                    "fleetlimit: Redis does not answer yet; decisions follow the outage policy until it does"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+/// How a too-old server is reported.
+const TOO_OLD: &str = "the server runs Redis";
+
 /// Refuse a server older than [`MIN_REDIS_VERSION`], with a clear error.
-async fn check_version(
-    conn: &mut impl redis::aio::ConnectionLike,
-    timeout: Duration,
-) -> Result<(), Error> {
-    let info: redis::Value =
-        tokio::time::timeout(timeout, redis::cmd("INFO").arg("server").query_async(conn))
-            .await
-            .map_err(|_| StoreError::Timeout(timeout))?
-            .map_err(store_error)?;
+async fn check_version(conn: &mut impl redis::aio::ConnectionLike) -> Result<(), StoreError> {
+    let info: redis::Value = redis::cmd("INFO")
+        .arg("server")
+        .query_async(conn)
+        .await
+        .map_err(store_error)?;
     // A cluster answers one text per node: every node must be recent enough.
     let mut texts = Vec::new();
     collect_texts(&info, &mut texts);
@@ -268,14 +300,10 @@ async fn check_version(
     let version = oldest.map_or("unknown", |(_, v)| v);
     match oldest.and_then(|(parsed, _)| parsed) {
         Some(v) if v >= MIN_REDIS_VERSION => Ok(()),
-        _ => Err(ConfigError::Invalid {
-            setting: "url",
-            reason: format!(
-                "the server runs Redis {version:?}; fleetlimit needs Redis {}.{} or newer",
-                MIN_REDIS_VERSION.0, MIN_REDIS_VERSION.1
-            ),
-        }
-        .into()),
+        _ => Err(StoreError::Script(format!(
+            "{TOO_OLD} {version:?}; fleetlimit needs Redis {}.{} or newer",
+            MIN_REDIS_VERSION.0, MIN_REDIS_VERSION.1
+        ))),
     }
 }
 
@@ -358,7 +386,7 @@ impl RedisStore {
     }
 
     fn is_cluster(&self) -> bool {
-        matches!(self.inner.conn, Conn::Cluster(_))
+        matches!(self.inner.conn, Conn::Cluster { .. })
     }
 }
 
@@ -458,53 +486,90 @@ impl Inner {
         if let Some(extra) = extra {
             invocation.arg(extra);
         }
-        let call = async {
-            match &self.conn {
-                Conn::Single(manager) => {
-                    let mut conn = manager.clone();
-                    invocation.invoke_async::<Vec<i64>>(&mut conn).await
+        let result = match self.connection().await? {
+            Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
+            Ready::Cluster(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
+            Ready::Pooled(mut conn) => {
+                // A call abandoned mid-way (its decision's deadline passed) leaves a connection
+                // that may have stopped answering: the next call takes a fresh one.
+                let mut guard = DiscardOnDrop(Some(&self.conn));
+                let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
+                let broken = result.as_ref().is_err_and(|e| {
+                    e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
+                });
+                if !broken {
+                    guard.0 = None;
                 }
-                Conn::Cluster(cluster) => {
-                    let mut conn = cluster.clone();
-                    invocation.invoke_async::<Vec<i64>>(&mut conn).await
-                }
-                Conn::Pool { pool, current } => {
-                    let cached = current.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    let mut conn = match cached {
-                        Some(conn) => conn,
-                        None => {
-                            let fresh = pool.get().await.map_err(|e| {
-                                RedisError::from(std::io::Error::other(e.to_string()))
-                            })?;
-                            let conn = deadpool_redis::Connection::take(fresh);
-                            *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
-                            conn
-                        }
-                    };
-                    let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
-                    if let Err(e) = &result {
-                        if e.is_io_error()
-                            || e.is_connection_dropped()
-                            || e.is_unrecoverable_error()
-                        {
-                            *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                        }
-                    }
-                    result
-                }
+                result
             }
         };
-        let Ok(result) = tokio::time::timeout(self.timeout, call).await else {
-            // A connection that stopped answering is not reused: the next call takes a fresh one.
-            if let Conn::Pool { current, .. } = &self.conn {
-                *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            }
-            return Err(StoreError::Timeout(self.timeout));
+        result.map_err(store_error)
+    }
+
+    /// A connection for one call, connecting first if needed (bounded by the connect timeout).
+    async fn connection(&self) -> Result<Ready, StoreError> {
+        let limit = self.connect_timeout;
+        let within = |e: tokio::time::error::Elapsed| {
+            let _ = e;
+            StoreError::Timeout(limit)
         };
-        result.map_err(|e| match store_error(e) {
-            StoreError::Timeout(_) => StoreError::Timeout(self.timeout),
-            other => other,
-        })
+        match &self.conn {
+            Conn::Single { client, manager } => {
+                let manager = tokio::time::timeout(
+                    limit,
+                    manager.get_or_try_init(|| async {
+                        let config = ConnectionManagerConfig::new()
+                            .set_connection_timeout(Some(limit))
+                            .set_number_of_retries(2)
+                            .set_max_delay(Duration::from_millis(500));
+                        let manager = ConnectionManager::new_with_config(client.clone(), config)
+                            .await
+                            .map_err(store_error)?;
+                        check_version(&mut manager.clone()).await?;
+                        Ok::<_, StoreError>(manager)
+                    }),
+                )
+                .await
+                .map_err(within)??;
+                Ok(Ready::Single(manager.clone()))
+            }
+            Conn::Cluster { client, conn } => {
+                let conn = tokio::time::timeout(
+                    limit,
+                    conn.get_or_try_init(|| async {
+                        let conn = client.get_async_connection().await.map_err(store_error)?;
+                        check_version(&mut conn.clone()).await?;
+                        Ok::<_, StoreError>(conn)
+                    }),
+                )
+                .await
+                .map_err(within)??;
+                Ok(Ready::Cluster(conn.clone()))
+            }
+            Conn::Pool { pool, current } => {
+                if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                    return Ok(Ready::Pooled(conn));
+                }
+                let fresh = tokio::time::timeout(limit, pool.get())
+                    .await
+                    .map_err(within)?
+                    .map_err(|e| StoreError::Connection(e.to_string()))?;
+                let conn = deadpool_redis::Connection::take(fresh);
+                *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
+                Ok(Ready::Pooled(conn))
+            }
+        }
+    }
+}
+
+/// Forgets the pool's shared connection unless defused.
+struct DiscardOnDrop<'a>(Option<&'a Conn>);
+
+impl Drop for DiscardOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(Conn::Pool { current, .. }) = self.0 {
+            *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
     }
 }
 
@@ -549,95 +614,6 @@ fn parse_decisions(values: &[i64], checks: &[Check<'_>]) -> Result<Vec<Decision>
             Ok(d)
         })
         .collect()
-}
-
-/// Indexes of `items` grouped by cluster slot, in order of first appearance.
-fn slot_groups(keys: impl Iterator<Item = Vec<u8>>) -> Vec<(u16, Vec<usize>)> {
-    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-    for (i, key) in keys.enumerate() {
-        let s = slot(&key);
-        match groups.iter_mut().find(|(g, _)| *g == s) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((s, vec![i])),
-        }
-    }
-    groups
-}
-
-impl RedisStore {
-    /// On a cluster, checks whose keys sit on different slots cannot share one script call (the
-    /// rules of one key always share a slot: the hash tag is the key). They are consumed group by
-    /// group; if a later group denies, what the earlier groups took is given back through their
-    /// receipts, so nothing is over-admitted (permits are briefly held, never granted twice).
-    async fn apply_across_slots(
-        &self,
-        op: Op,
-        checks: &[Check<'_>],
-    ) -> Result<Vec<Decision>, StoreError> {
-        let prefix = &self.inner.prefix;
-        let groups = slot_groups(checks.iter().map(|c| redis_key(prefix, c.rule, c.key)));
-        if groups.len() == 1 {
-            return self.inner.invoke(op, checks).await;
-        }
-        let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
-        let mut taken: Vec<usize> = Vec::new();
-        let mut denied = false;
-        for (_, members) in &groups {
-            let group: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            let group_op = if denied { Op::Peek } else { op };
-            let decisions = self.inner.invoke(group_op, &group).await?;
-            let all_allowed = decisions.iter().all(|d| d.allowed);
-            for (&i, d) in members.iter().zip(decisions) {
-                out[i] = Some(d);
-            }
-            if group_op == Op::Consume {
-                if all_allowed {
-                    taken.extend(members);
-                } else {
-                    denied = true;
-                }
-            }
-        }
-        if denied && !taken.is_empty() {
-            let refunds: Vec<Refund<'_>> = taken
-                .iter()
-                .filter_map(|&i| {
-                    let d = out[i].as_mut()?;
-                    d.remaining += checks[i].cost;
-                    Some(Refund {
-                        rule: checks[i].rule,
-                        key: checks[i].key,
-                        taken: d.taken.take()?,
-                    })
-                })
-                .collect();
-            if let Err(error) = self.refund_grouped(&refunds).await {
-                tracing::warn!(%error, "fleetlimit: refund after a cross-slot denial failed; permits stay taken until they expire");
-            }
-        }
-        out.into_iter()
-            .map(|d| d.ok_or_else(|| StoreError::Protocol("a check got no decision".into())))
-            .collect()
-    }
-
-    /// Refunds, one script call per slot group.
-    async fn refund_grouped(&self, refunds: &[Refund<'_>]) -> Result<Vec<Decision>, StoreError> {
-        if !self.is_cluster() || refunds.len() < 2 {
-            return self.inner.invoke_refund(refunds).await;
-        }
-        let prefix = &self.inner.prefix;
-        let groups = slot_groups(refunds.iter().map(|r| redis_key(prefix, r.rule, r.key)));
-        let mut out: Vec<Option<Decision>> = vec![None; refunds.len()];
-        for (_, members) in &groups {
-            let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
-            for (&i, d) in members.iter().zip(self.inner.invoke_refund(&group).await?) {
-                out[i] = Some(d);
-            }
-        }
-        out.into_iter()
-            .map(|d| d.ok_or_else(|| StoreError::Protocol("a refund got no decision".into())))
-            .collect()
-    }
 }
 
 impl Store for RedisStore {
@@ -693,7 +669,7 @@ impl Store for RedisStore {
             if refunds.is_empty() {
                 return Ok(Vec::new());
             }
-            self.refund_grouped(refunds).await
+            self.inner.invoke_refund(refunds).await
         })
     }
 
@@ -722,9 +698,6 @@ impl Store for RedisStore {
         Box::pin(async move {
             if checks.is_empty() {
                 return Ok(Vec::new());
-            }
-            if self.is_cluster() && checks.len() > 1 {
-                return self.apply_across_slots(op, checks).await;
             }
             self.inner.invoke(op, checks).await
         })
