@@ -69,7 +69,8 @@ fn script_calls(server: &RedisServer) -> u64 {
 async fn a_leasing_fleet_never_exceeds_the_limit_and_uses_it() {
     const LIMIT: u64 = 1_000;
     const WINDOWS: u64 = 12;
-    const STEPS: u64 = 10;
+    // Steps closer together than the default idle time (100 ms): a hot key never goes quiet.
+    const STEPS: u64 = 20;
     let server = RedisServer::start();
     let clock = ManualClock::new(T0);
     let hot = rule(LIMIT, Duration::from_secs(1), Algorithm::FixedWindow);
@@ -92,12 +93,12 @@ async fn a_leasing_fleet_never_exceeds_the_limit_and_uses_it() {
     for window in 0..WINDOWS {
         let admitted = Arc::new(AtomicU64::new(0));
         for step in 0..STEPS {
-            clock.set(T0 + window * 1_000_000 + step * 100_000);
-            // Every instance fires 60 concurrent requests per step: 4,800 per window, far above
+            clock.set(T0 + window * 1_000_000 + step * 50_000);
+            // Every instance fires 30 concurrent requests per step: 4,800 per window, far above
             // the limit.
             let mut tasks = Vec::new();
             for (i, l) in fleet.iter().enumerate() {
-                for _ in 0..60 {
+                for _ in 0..30 {
                     let (l, key, admitted) = (l.clone(), key.clone(), admitted.clone());
                     tasks.push(tokio::spawn(async move {
                         let d = l.consume(&key, 1).await.unwrap();
@@ -130,11 +131,12 @@ async fn a_leasing_fleet_never_exceeds_the_limit_and_uses_it() {
         "leasing fleet: {decisions} decisions, {calls} Redis calls ({:.4} per decision); admitted per instance {min}..{max} over {WINDOWS} windows",
         calls as f64 / decisions as f64
     );
+    // The README states about one Redis call per 120 decisions here; hold it near that.
     assert!(
-        calls * 5 < decisions,
+        calls * 60 < decisions,
         "{calls} Redis calls for {decisions} decisions"
     );
-    assert!(fleet.iter().any(|l| l.stats().lease_calls > 0));
+    assert!(fleet.iter().all(|l| l.stats().lease_calls > 0));
 }
 
 #[tokio::test]
@@ -173,13 +175,21 @@ async fn a_flood_on_an_exhausted_key_reaches_redis_a_handful_of_times() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_instance_gives_its_permits_back() {
+    // At the default validity and idle time, and with a block valid far longer than idle.
+    for config in [
+        LeaseConfig::fixed(100).max_share(1.0),
+        LeaseConfig::fixed(100)
+            .max_share(1.0)
+            .max_validity(Duration::from_secs(30)),
+    ] {
+        quiet_instance_gives_back(config).await;
+    }
+}
+
+async fn quiet_instance_gives_back(config: LeaseConfig) {
     let server = RedisServer::start();
     let clock = ManualClock::new(T0);
     let hot = rule(100, Duration::from_secs(60), Algorithm::FixedWindow);
-    let config = LeaseConfig::fixed(100)
-        .max_share(1.0)
-        .max_validity(Duration::from_secs(30))
-        .idle(Duration::from_millis(100));
     let a = limiter(&server, &clock, hot.clone(), Some(config)).await;
     let b = limiter(&server, &clock, hot, None).await;
     let key = Key::new("k");
@@ -305,4 +315,180 @@ async fn permits_left_in_a_replaced_block_go_back() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The soundness issue's trickle: one client, a request every 300-400 ms, on a 100/min key with
+/// leasing at its defaults (a fixed block of 12 and auto), on one and on two instances. Before,
+/// blocks expired before the idle sweep could give them back and 9 of 100 permits were served.
+/// Every request must be admitted, and the permits not spent must come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_client_gets_every_request_at_the_default_lease_settings() {
+    const REQUESTS: u64 = 16;
+    let server = RedisServer::start();
+    let store = || async { RedisStore::builder().connect(&server.url()).await.unwrap() };
+    let mut runs = Vec::new();
+    for (name, config, instances) in [
+        ("fixed-1", LeaseConfig::fixed(12), 1),
+        ("fixed-2", LeaseConfig::fixed(12), 2),
+        ("auto-1", LeaseConfig::auto(), 1),
+        ("auto-2", LeaseConfig::auto(), 2),
+    ] {
+        // 100 per hour rather than per minute, so that the few seconds of the test rarely cross
+        // a window boundary (and when they do, the expectation counts from the boundary).
+        let hot = rule(100, Duration::from_secs(3600), Algorithm::FixedWindow);
+        let mut fleet = Vec::new();
+        for _ in 0..instances {
+            // Defaults throughout: Redis's clock, the 50 ms deadline, the lease config as given.
+            fleet.push(
+                Limiter::builder(store().await)
+                    .rule(hot.clone())
+                    .on_store_error(OnStoreError::fail_closed())
+                    .lease("hot", config)
+                    .build()
+                    .unwrap(),
+            );
+        }
+        runs.push(tokio::spawn(async move {
+            let key = Key::new(format!("trickle-{name}"));
+            let hour = || {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs()
+                    / 3600
+            };
+            let mut refused = Vec::new();
+            let mut in_window = 0;
+            for i in 0..REQUESTS {
+                let before = hour();
+                let d = fleet[i as usize % fleet.len()]
+                    .consume(&key, 1)
+                    .await
+                    .unwrap();
+                if !d.allowed || d.degraded {
+                    refused.push((i, d));
+                }
+                in_window = if hour() == before { in_window + 1 } else { 1 };
+                tokio::time::sleep(Duration::from_millis(300 + (i * 37) % 100)).await;
+            }
+            assert!(refused.is_empty(), "{name}: refused {refused:?}");
+            // What was not spent comes back: the key ends with exactly its requests counted.
+            let started = std::time::Instant::now();
+            loop {
+                let left = fleet[0].peek(&key).await.unwrap().remaining;
+                if left == 100 - in_window {
+                    break;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(3),
+                    "{name}: {left} left, expected {}",
+                    100 - in_window
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            name
+        }));
+    }
+    for run in runs {
+        run.await.unwrap();
+    }
+}
+
+/// Eight concurrent requests on one leased key while Redis is paused: each waits for the one
+/// refill in flight only within its own deadline (the default 50 ms), never a staircase of
+/// deadlines behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_costs_a_leased_key_one_deadline() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder().connect(&server.url()).await.unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(
+            1_000_000,
+            Duration::from_secs(60),
+            Algorithm::FixedWindow,
+        ))
+        .on_store_error(OnStoreError::FailOpen)
+        .lease("hot", LeaseConfig::fixed(50))
+        .build()
+        .unwrap();
+    let key = Key::new("paused");
+    assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+    server.pause();
+    // Let the block expire (default validity 250 ms), so every request needs a refill.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let d = limiter.consume(&key, 1).await.unwrap();
+            (started.elapsed(), d)
+        }));
+    }
+    let mut waits = Vec::new();
+    for t in tasks {
+        let (waited, d) = t.await.unwrap();
+        assert!(d.allowed && d.degraded, "fail open: {d:?}");
+        waits.push(waited);
+    }
+    server.resume();
+    let deadline = fleetlimit::DEFAULT_DEADLINE;
+    // A margin for a loaded 2-core machine, far below a second deadline.
+    let margin = Duration::from_millis(40);
+    assert!(
+        waits.iter().all(|w| *w <= deadline + margin),
+        "answers after {waits:?}"
+    );
+}
+
+/// A remembered denial answers only the cost it proves, with waits counted down to the moment
+/// of the answer; a lease admission's reset counts down too.
+#[tokio::test]
+async fn remembered_answers_are_computed_when_they_are_given() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let l = limiter(
+        &server,
+        &clock,
+        rule(5, Duration::from_secs(60), Algorithm::FixedWindow),
+        None,
+    )
+    .await;
+    let key = Key::new("remembered");
+    assert!(l.consume(&key, 5).await.unwrap().allowed);
+    let first = l.consume(&key, 1).await.unwrap();
+    assert_eq!(first.source, Source::Store);
+    clock.advance(Duration::from_secs(4));
+    let again = l.consume(&key, 1).await.unwrap();
+    assert_eq!(again.source, Source::Cache);
+    assert_eq!(
+        again.retry_after.unwrap(),
+        first.retry_after.unwrap() - Duration::from_secs(4)
+    );
+    assert_eq!(
+        again.reset_after,
+        first.reset_after - Duration::from_secs(4)
+    );
+    // A request of another cost is not what the denial proved: the store decides it.
+    let before = script_calls(&server);
+    let larger = l.consume(&key, 2).await.unwrap();
+    assert_eq!(larger.source, Source::Store);
+    assert_eq!(script_calls(&server), before + 1);
+
+    let leased = limiter(
+        &server,
+        &clock,
+        rule(100, Duration::from_secs(60), Algorithm::FixedWindow),
+        Some(LeaseConfig::fixed(10).max_validity(Duration::from_secs(10))),
+    )
+    .await;
+    let hot = Key::new("leased");
+    let granted = leased.consume(&hot, 1).await.unwrap();
+    clock.advance(Duration::from_secs(3));
+    let spent = leased.consume(&hot, 1).await.unwrap();
+    assert_eq!(spent.source, Source::Lease);
+    assert_eq!(
+        spent.reset_after,
+        granted.reset_after - Duration::from_secs(3)
+    );
 }

@@ -265,6 +265,14 @@ impl Leases {
         self.slots.load().len()
     }
 
+    /// Keep the rate of a key leaving leased mode among the promotion candidates.
+    fn remember_rate(&self, key: SlotKey, rate: &RateMeter) {
+        let mut candidates = self.candidates.lock().unwrap_or_else(|e| e.into_inner());
+        if candidates.len() < MAX_CANDIDATES {
+            candidates.insert(key, rate.snapshot());
+        }
+    }
+
     /// Should this key be leased now? Counts the request toward its rate.
     fn promote(&self, config: &LeaseConfig, key: &SlotKey, now: u64) -> bool {
         if config.block.is_some() {
@@ -358,8 +366,11 @@ impl Inner {
             return Ok(self.policy_decision(check));
         };
         let started = self.clock.now_us();
-        // Someone may have refilled while we waited.
+        // Someone may have refilled while we waited, or learnt that the key is refused.
         if let Some(d) = slot.block.load().spend(check.cost, started) {
+            return Ok(d);
+        }
+        if let Some(d) = self.remembered(check, started) {
             return Ok(d);
         }
         if slot.retired.load(Ordering::Acquire) {
@@ -529,6 +540,8 @@ impl Inner {
         });
         for ((index, key), slot) in &quiet {
             self.retire(*index, key, slot).await;
+            // A key that comes back at the same pace is leased again at once.
+            self.leases.remember_rate((*index, key.clone()), &slot.rate);
         }
     }
 }

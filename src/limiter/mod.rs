@@ -403,13 +403,7 @@ impl Inner {
         let deadline = Deadline::after(self.deadline);
         if let ([check], Op::Consume) = (checks, op) {
             if let Some(index) = self.rule_index(check.rule) {
-                let now = self.clock.now_us();
-                let key = (index, check.key.clone());
-                if let Some(d) = self
-                    .denials
-                    .as_ref()
-                    .and_then(|c| c.get(&key, check.cost, now))
-                {
+                if let Some(d) = self.remembered(check, self.clock.now_us()) {
                     return Ok(vec![d]);
                 }
                 if let Some(d) = self.decide_leased(index, check, deadline).await? {
@@ -562,6 +556,14 @@ impl Inner {
         self.breakers
             .call(domain, rule, || self.clock.now_us(), deadline, call)
             .await
+    }
+
+    /// A remembered denial of this single-rule consume at `now`, if there is one.
+    fn remembered(&self, check: &Check<'_>, now: u64) -> Option<Decision> {
+        let index = self.rule_index(check.rule)?;
+        self.denials
+            .as_ref()?
+            .get(&(index, check.key.clone()), check.cost, now)
     }
 
     /// Remember a store denial of a single-rule consume.

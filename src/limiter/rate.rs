@@ -19,6 +19,15 @@ pub(crate) struct RateMeter {
 }
 
 impl RateMeter {
+    /// A copy of this meter's counts, to carry a key's rate from one place to another.
+    pub(crate) fn snapshot(&self) -> RateMeter {
+        RateMeter {
+            second: AtomicU64::new(self.second.load(Ordering::Relaxed)),
+            count: AtomicU64::new(self.count.load(Ordering::Relaxed)),
+            last: AtomicU64::new(self.last.load(Ordering::Relaxed)),
+        }
+    }
+
     /// The last second (since the epoch) a request was counted in.
     pub(crate) fn last_second(&self) -> u64 {
         self.second.load(Ordering::Relaxed)
