@@ -16,16 +16,16 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use fleetlimit::store::{Check, RedisStore};
 use fleetlimit::{Algorithm, Key, LeaseConfig, Limiter, OnStoreError, Quota, Rule};
 
-#[path = "../examples/support/redis_process.rs"]
+#[path = "../tests/support/redis.rs"]
 #[allow(dead_code)]
-mod redis_process;
+mod redis_harness;
 
 /// The Redis to measure against: `FLEETLIMIT_BENCH_REDIS`, or one started for the run.
-fn redis() -> (Option<redis_process::RedisProcess>, String) {
+fn redis() -> (Option<redis_harness::RedisServer>, String) {
     if let Ok(url) = std::env::var("FLEETLIMIT_BENCH_REDIS") {
         return (None, url);
     }
-    let server = redis_process::RedisProcess::start().expect("redis-server");
+    let server = redis_harness::RedisServer::start();
     let url = server.url();
     (Some(server), url)
 }

@@ -8,16 +8,16 @@
 //! cargo run --release --example outage [-- --decisions 2000]
 //! ```
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fleetlimit::store::RedisStore;
 use fleetlimit::{Key, Limiter, OnStoreError, Quota, Rule};
 
-#[path = "support/redis_process.rs"]
-mod redis_process;
+#[path = "../tests/support/redis.rs"]
+#[allow(dead_code)]
+mod redis_harness;
 
-use redis_process::RedisProcess;
+use redis_harness::RedisServer;
 
 async fn measure(limiter: &Limiter, n: usize) -> (Duration, Duration, Duration, u64) {
     let mut took = Vec::with_capacity(n);
@@ -39,7 +39,7 @@ async fn main() -> Result<(), String> {
         [flag, v] if flag == "--decisions" => v.parse().map_err(|_| "--decisions N")?,
         _ => return Err("usage: outage [--decisions N]".into()),
     };
-    let mut server = RedisProcess::start()?;
+    let mut server = RedisServer::start();
     let store = RedisStore::connect(&server.url())
         .await
         .map_err(|e| e.to_string())?;
@@ -64,16 +64,9 @@ async fn main() -> Result<(), String> {
     };
     row("healthy", measure(&limiter, n).await);
 
-    let pid = server.pid().to_string();
-    Command::new("kill")
-        .args(["-STOP", &pid])
-        .status()
-        .map_err(|e| e.to_string())?;
+    server.pause();
     row("paused (SIGSTOP)", measure(&limiter, n).await);
-    Command::new("kill")
-        .args(["-CONT", &pid])
-        .status()
-        .map_err(|e| e.to_string())?;
+    server.resume();
 
     server.kill();
     row("dead (killed)", measure(&limiter, n).await);

@@ -37,7 +37,7 @@
 //! - [`Limiter`]: rules × key → one [`Decision`].
 //! - [`Store`]: atomic consumption of permits; [`MemoryStore`] here.
 //! - The algorithms ([`Algorithm`]), each with a stated, tested promise.
-#![warn(missing_docs)]
+#![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 mod algorithm;
@@ -65,7 +65,7 @@ pub use limiter::{
 pub use quota::{
     Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_HEADER_INTEGER, MAX_PERIOD,
 };
-pub use rule::Rule;
+pub use rule::{Rule, MAX_RULE_NAME_LEN};
 pub use store::{MemoryStore, RedisStore, Store};
 
 /// The README's code blocks are compiled as doc tests, so its quick start cannot rot.

@@ -96,11 +96,6 @@ impl Key {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
     }
-
-    /// Whether this key is a client address.
-    pub fn is_ip(&self) -> bool {
-        self.0.first() == Some(&TAG_IP)
-    }
 }
 
 fn ipv4_key(b: &mut [u8; 18], octets: [u8; 4]) -> usize {

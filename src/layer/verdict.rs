@@ -167,3 +167,23 @@ pub(crate) fn failure(
         r#"{"error":"rate_limiter_unavailable"}"#,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_honours_grpc_and_the_unavailable_status() {
+        let error = Error::Store(crate::StoreError::Connection("down".into()));
+        let http = failure(&error, false, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(http.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            http.body().as_ref(),
+            br#"{"error":"rate_limiter_unavailable"}"#
+        );
+        let grpc = failure(&error, true, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(grpc.status(), StatusCode::OK, "trailers-only");
+        assert_eq!(grpc.headers()["grpc-status"], "14");
+        assert_eq!(grpc.headers()["content-type"], "application/grpc");
+    }
+}

@@ -25,14 +25,9 @@ const DEFAULT_DENY_CACHE: usize = 10_000;
 #[derive(Debug, Clone, Copy)]
 pub struct PolicyUnset;
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for crate::MemoryStore {}
-}
-
-/// A store that cannot fail, so a limiter on it needs no outage policy. Sealed: only the
-/// in-process [`MemoryStore`] is one.
-pub trait InfallibleStore: Store + sealed::Sealed {}
+/// A store that cannot fail, so a limiter on it needs no outage policy. Sealed (as [`Store`]
+/// is): only the in-process [`MemoryStore`] is one.
+pub trait InfallibleStore: Store {}
 
 impl InfallibleStore for MemoryStore {}
 

@@ -280,11 +280,11 @@ impl Limiter {
                     key,
                     cost,
                 };
-                smallvec::smallvec![inner.store.check_now(Op::Consume, &check)?]
+                smallvec::smallvec![inner.store.check_in_process(Op::Consume, &check)?]
             }
             _ => {
                 let checks = self.checks(targets, cost).ok()?;
-                inner.store.apply_now(Op::Consume, &checks)?.into()
+                inner.store.apply_in_process(Op::Consume, &checks)?.into()
             }
         };
         inner.trace(targets, &decisions, started);

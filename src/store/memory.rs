@@ -660,11 +660,11 @@ fn peek(state: &mut State, now: u64, quota: &crate::Quota) -> Decision {
 }
 
 impl Store for MemoryStore {
-    fn apply_now(&self, op: Op, checks: &[Check<'_>]) -> Option<Vec<Decision>> {
+    fn apply_in_process(&self, op: Op, checks: &[Check<'_>]) -> Option<Vec<Decision>> {
         Some(self.inner.apply(op, checks))
     }
 
-    fn check_now(&self, op: Op, check: &Check<'_>) -> Option<Decision> {
+    fn check_in_process(&self, op: Op, check: &Check<'_>) -> Option<Decision> {
         Some(self.check(op, check))
     }
 

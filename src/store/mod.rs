@@ -70,8 +70,17 @@ pub struct Lease {
     pub taken: Taken,
 }
 
-/// Shared rate-limit state. Implementations must make each call atomic across its checks.
-pub trait Store: Send + Sync + 'static {
+pub(crate) mod sealed {
+    /// Only this crate's stores implement [`Store`](super::Store): their state formats, receipts
+    /// and scripts are held together by its tests.
+    pub trait Sealed {}
+    impl Sealed for super::MemoryStore {}
+    impl Sealed for super::RedisStore {}
+}
+
+/// Shared rate-limit state: [`MemoryStore`] and [`RedisStore`]. Each call is atomic across its
+/// checks. Sealed: the algorithms' state formats and receipts are the crate's own.
+pub trait Store: sealed::Sealed + Send + Sync + 'static {
     /// Apply `op` to every check as one atomic step, returning one decision per check, in order.
     /// The checks of one call share a failure domain ([`failure_domain`](Store::failure_domain)):
     /// on a Redis Cluster, one slot, which every rule on one key shares. The
@@ -104,12 +113,14 @@ pub trait Store: Send + Sync + 'static {
 
     /// Decide right now, without a future, when the store can (an in-process store); `None`
     /// means "await [`apply`](Store::apply)". Lets the layer skip a boxed future per request.
-    fn apply_now(&self, _op: Op, _checks: &[Check<'_>]) -> Option<Vec<Decision>> {
+    #[doc(hidden)]
+    fn apply_in_process(&self, _op: Op, _checks: &[Check<'_>]) -> Option<Vec<Decision>> {
         None
     }
 
-    /// [`apply_now`](Store::apply_now) for one check, without allocating.
-    fn check_now(&self, _op: Op, _check: &Check<'_>) -> Option<Decision> {
+    /// [`apply_in_process`](Store::apply_in_process) for one check, without allocating.
+    #[doc(hidden)]
+    fn check_in_process(&self, _op: Op, _check: &Check<'_>) -> Option<Decision> {
         None
     }
 

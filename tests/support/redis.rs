@@ -5,9 +5,13 @@
 //! servers as cluster masters and joins them with `redis-cli --cluster create`. Everything is
 //! killed (by PID) and cleaned up on drop.
 //!
-//! The harness uses only the standard library: it talks to the servers with a tiny RESP2
-//! client ([`resp_command`], [`RedisServer::cmd`]) and signals them with the `kill` command,
-//! so it is Unix-only.
+//! The harness talks to the servers with redis-rs's blocking client ([`resp_command`],
+//! [`RedisServer::cmd`]) and signals them with the `kill` command, so it is Unix-only. Every
+//! server it starts is killed by the kernel if the process that started it dies (a test binary
+//! killed mid-run leaves no server behind), and works in its own temporary directory.
+//!
+//! It is also the harness of the examples and benchmarks that start their own Redis
+//! (`#[path = "../tests/support/redis.rs"] mod redis_harness;`).
 //!
 //! It is safe to use from parallel test threads and from several test binaries at once:
 //! ports are reserved in-process, and a server that loses a port race to another process is
@@ -29,8 +33,8 @@ use std::collections::hash_map::RandomState;
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::hash::{BuildHasher, Hasher};
-use std::io::{self, BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::io;
+use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -197,123 +201,55 @@ impl RespValue {
     }
 }
 
-/// Sends one command to `addr` (`"127.0.0.1:PORT"`) on a new connection and reads its reply.
+/// Sends one command to `addr` (`"127.0.0.1:PORT"`) on a new connection (redis-rs, blocking)
+/// and reads its reply.
 ///
 /// `timeout` bounds the connect and every read and write, so a paused or dead server yields
-/// an `Err` instead of a hang.
+/// an `Err` instead of a hang. A Redis error reply is `Ok(RespValue::Error)`.
 pub fn resp_command(addr: &str, args: &[&[u8]], timeout: Duration) -> Result<RespValue, String> {
-    let socket: SocketAddr = addr
-        .parse()
-        .map_err(|e| format!("invalid address {addr:?}: {e}"))?;
+    let Some((name, rest)) = args.split_first() else {
+        return Err("an empty command".to_owned());
+    };
     // A zero timeout is rejected by the socket options.
     let timeout = timeout.max(Duration::from_millis(1));
-    let mut stream = TcpStream::connect_timeout(&socket, timeout)
+    let client = redis::Client::open(format!("redis://{addr}"))
+        .map_err(|e| format!("invalid address {addr:?}: {e}"))?;
+    let mut conn = client
+        .get_connection_with_timeout(timeout)
         .map_err(|e| format!("connect to {addr} failed: {e}"))?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+    conn.set_read_timeout(Some(timeout))
+        .and_then(|()| conn.set_write_timeout(Some(timeout)))
         .map_err(|e| format!("cannot set timeouts on the connection to {addr}: {e}"))?;
-    // Only a latency tweak.
-    let _ = stream.set_nodelay(true);
-    stream
-        .write_all(&encode_command(args))
-        .and_then(|()| stream.flush())
-        .map_err(|e| format!("sending to {addr} failed: {e}"))?;
-    let mut reader = BufReader::new(stream);
-    read_value(&mut reader, 0).map_err(|e| format!("reading the reply from {addr} failed: {e}"))
-}
-
-/// Encodes a command as a RESP array of bulk strings.
-fn encode_command(args: &[&[u8]]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16 + args.iter().map(|a| a.len() + 16).sum::<usize>());
-    out.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
-    for arg in args {
-        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
-        out.extend_from_slice(arg);
-        out.extend_from_slice(b"\r\n");
+    let mut command = redis::cmd(&String::from_utf8_lossy(name));
+    for arg in rest {
+        command.arg(*arg);
     }
-    out
-}
-
-/// Deepest nesting of arrays accepted in a reply.
-const MAX_DEPTH: usize = 64;
-/// Largest bulk string accepted in a reply (Redis' own `proto-max-bulk-len`).
-const MAX_BULK_LEN: usize = 512 * 1024 * 1024;
-
-/// Reads one `\r\n`-terminated line, without the terminator.
-fn read_line<R: BufRead>(reader: &mut R) -> Result<String, String> {
-    let mut line = Vec::new();
-    let n = reader
-        .read_until(b'\n', &mut line)
-        .map_err(|e| e.to_string())?;
-    if n == 0 {
-        return Err("connection closed by the server".to_owned());
-    }
-    if !line.ends_with(b"\r\n") {
-        return Err(format!(
-            "truncated RESP line {:?}",
-            String::from_utf8_lossy(&line)
-        ));
-    }
-    line.truncate(line.len() - 2);
-    Ok(String::from_utf8_lossy(&line).into_owned())
-}
-
-/// Parses the length of a bulk string or array; `None` for the null (`-1`) length.
-fn parse_length(text: &str, limit: usize) -> Result<Option<usize>, String> {
-    let length: i64 = text
-        .parse()
-        .map_err(|e| format!("bad RESP length {text:?}: {e}"))?;
-    if length < 0 {
-        return Ok(None);
-    }
-    match usize::try_from(length) {
-        Ok(length) if length <= limit => Ok(Some(length)),
-        _ => Err(format!("RESP length {length} is larger than {limit}")),
-    }
-}
-
-/// Reads one (possibly nested) RESP2 value.
-fn read_value<R: BufRead>(reader: &mut R, depth: usize) -> Result<RespValue, String> {
-    if depth > MAX_DEPTH {
-        return Err(format!("RESP reply nested deeper than {MAX_DEPTH}"));
-    }
-    let line = read_line(reader)?;
-    let Some(&kind) = line.as_bytes().first() else {
-        return Err("empty RESP line".to_owned());
-    };
-    // The type byte is ASCII in every arm that uses `rest`, so `1..` is a char boundary.
-    let rest = line.get(1..).unwrap_or("");
-    match kind {
-        b'+' => Ok(RespValue::Simple(rest.to_owned())),
-        b'-' => Ok(RespValue::Error(rest.to_owned())),
-        b':' => rest
-            .parse()
-            .map(RespValue::Int)
-            .map_err(|e| format!("bad RESP integer {rest:?}: {e}")),
-        b'$' => {
-            let Some(length) = parse_length(rest, MAX_BULK_LEN)? else {
-                return Ok(RespValue::Bulk(None));
-            };
-            let mut data = vec![0_u8; length + 2];
-            reader.read_exact(&mut data).map_err(|e| e.to_string())?;
-            if !data.ends_with(b"\r\n") {
-                return Err("bulk string not terminated by CRLF".to_owned());
-            }
-            data.truncate(length);
-            Ok(RespValue::Bulk(Some(data)))
+    match command.query::<redis::Value>(&mut conn) {
+        Ok(value) => Ok(RespValue::from(value)),
+        Err(e)
+            if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError)
+                || e.code().is_some() =>
+        {
+            Ok(RespValue::Error(e.to_string()))
         }
-        b'*' => {
-            let Some(length) = parse_length(rest, usize::MAX)? else {
-                return Ok(RespValue::Array(None));
-            };
-            let mut items = Vec::with_capacity(length.min(1024));
-            for _ in 0..length {
-                items.push(read_value(reader, depth + 1)?);
+        Err(e) => Err(format!("{addr}: {e}")),
+    }
+}
+
+impl From<redis::Value> for RespValue {
+    fn from(value: redis::Value) -> RespValue {
+        match value {
+            redis::Value::Nil => RespValue::Bulk(None),
+            redis::Value::Int(n) => RespValue::Int(n),
+            redis::Value::BulkString(bytes) => RespValue::Bulk(Some(bytes)),
+            redis::Value::Array(items) | redis::Value::Set(items) => {
+                RespValue::Array(Some(items.into_iter().map(RespValue::from).collect()))
             }
-            Ok(RespValue::Array(Some(items)))
+            redis::Value::SimpleString(text) => RespValue::Simple(text),
+            redis::Value::Okay => RespValue::Simple("OK".to_owned()),
+            redis::Value::VerbatimString { text, .. } => RespValue::Bulk(Some(text.into_bytes())),
+            other => RespValue::Simple(format!("{other:?}")),
         }
-        _ => Err(format!("unsupported RESP reply line {line:?}")),
     }
 }
 
@@ -467,6 +403,27 @@ enum LaunchError {
     Fatal(String),
 }
 
+/// Child processes that the kernel kills when the thread that started them ends, so a test
+/// binary killed mid-run leaves no server behind.
+trait DieWithParent {
+    fn die_with_parent(&mut self) -> &mut Self;
+}
+
+impl DieWithParent for Command {
+    fn die_with_parent(&mut self) -> &mut Self {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of ours.
+        unsafe {
+            self.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        }
+    }
+}
+
 /// Spawns `redis-server` on `port` in `dir` and waits until it answers `PING`.
 ///
 /// Output is appended to `log_path`. On failure the child has been killed and reaped.
@@ -496,6 +453,7 @@ fn launch(
         .arg(dir)
         .args(extra_args)
         .current_dir(dir)
+        .die_with_parent()
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_for_stderr))

@@ -36,8 +36,9 @@ fn encode(bytes: &[u8], out: &mut Vec<u8>) {
     }
 }
 
-/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag (or of the whole key when it
+/// The Redis Cluster slot of a key (a hook for tests and tools): CRC16 (XMODEM) of its hash tag (or of the whole key when it
 /// has none), modulo 16384.
+#[doc(hidden)]
 pub fn slot(key: &[u8]) -> u16 {
     let tagged = key
         .iter()

@@ -32,7 +32,8 @@ use keys::redis_key;
 pub use keys::slot;
 
 /// The Redis key of `rule`'s state for `key` under the default prefix, as text (the encoding
-/// is ASCII), for tools such as `redis-cli`.
+/// is ASCII), for tools such as `redis-cli`. A hook for benchmarks and audits.
+#[doc(hidden)]
 pub fn display_key(rule: &crate::Rule, key: &crate::Key) -> String {
     String::from_utf8_lossy(&redis_key(DEFAULT_PREFIX, rule, key)).into_owned()
 }
@@ -357,12 +358,14 @@ impl RedisStore {
 
     /// The Lua script every decision runs (one `EVALSHA` per decision), for audits and for
     /// measuring Redis's own ceiling with `redis-benchmark`. Its header documents the arguments.
+    #[doc(hidden)]
     pub fn script() -> &'static str {
         SCRIPT
     }
 
     /// The script's arguments for one consume of `check` (after the key, which is
     /// [`key_for`](RedisStore::key_for)), deciding on Redis's clock.
+    #[doc(hidden)]
     pub fn script_args(check: &Check<'_>) -> Vec<String> {
         let q = check.rule.quota();
         vec![
@@ -378,11 +381,6 @@ impl RedisStore {
             check.cost.to_string(),
             String::new(),
         ]
-    }
-
-    /// The key prefix.
-    pub fn prefix(&self) -> &str {
-        &self.inner.prefix
     }
 
     fn is_cluster(&self) -> bool {
