@@ -17,126 +17,13 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 
 use super::denials::SlotKey;
+use super::lease_config::LeaseConfig;
 use super::policy::Deadline;
 use super::rate::RateMeter;
 use super::Inner;
-use crate::error::{ConfigError, Error};
+use crate::error::Error;
 use crate::store::{Check, Op, Refund};
-use crate::{Decision, Key, Quota, Rule, Source, Taken};
-
-/// How a rule's hot keys are leased; see [`LimiterBuilder::lease`](super::LimiterBuilder::lease).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LeaseConfig {
-    block: Option<u64>,
-    promote_at: f64,
-    max_block: u64,
-    max_share: f64,
-    max_validity: Duration,
-    idle: Duration,
-}
-
-impl LeaseConfig {
-    /// Lease adaptively: a key is leased once this process sees it above `promote_at`
-    /// requests per second (default 300) and goes back to per-request decisions when it cools;
-    /// the block size follows the observed rate (a tenth of a second of traffic), bounded by
-    /// [`max_block`](LeaseConfig::max_block) and [`max_share`](LeaseConfig::max_share).
-    pub fn auto() -> LeaseConfig {
-        LeaseConfig {
-            block: None,
-            promote_at: 300.0,
-            max_block: 10_000,
-            max_share: 0.125,
-            max_validity: Duration::from_millis(250),
-            idle: Duration::from_millis(100),
-        }
-    }
-
-    /// Lease every key of the rule in blocks of `block` permits (still bounded by
-    /// [`max_share`](LeaseConfig::max_share) of the quota).
-    pub fn fixed(block: u64) -> LeaseConfig {
-        LeaseConfig {
-            block: Some(block),
-            max_block: block,
-            ..LeaseConfig::auto()
-        }
-    }
-
-    /// The request rate (per second, in this process) above which a key is leased (auto).
-    pub fn promote_at(mut self, per_second: f64) -> LeaseConfig {
-        self.promote_at = per_second;
-        self
-    }
-
-    /// The largest block (default 10,000).
-    pub fn max_block(mut self, permits: u64) -> LeaseConfig {
-        self.max_block = permits;
-        self
-    }
-
-    /// The largest share of the quota's capacity one block may take (default 1/8), so one
-    /// process never holds what the whole fleet needs.
-    pub fn max_share(mut self, share: f64) -> LeaseConfig {
-        self.max_share = share;
-        self
-    }
-
-    /// How long a block may be spent (default 250 ms; never past the end of the window that
-    /// granted it). For the token bucket and GCRA this widens the envelope: the fleet admits at
-    /// most `burst + rate × (t + max_validity)` in any interval `t`.
-    pub fn max_validity(mut self, validity: Duration) -> LeaseConfig {
-        self.max_validity = validity;
-        self
-    }
-
-    /// A leased key unused this long leaves leased mode and gives its unspent permits back
-    /// (default 100 ms, shorter than the validity, so a quiet key's permits come back while its
-    /// block could still have been spent).
-    pub fn idle(mut self, idle: Duration) -> LeaseConfig {
-        self.idle = idle;
-        self
-    }
-
-    pub(crate) fn validate(&self, rule: &Rule) -> Result<(), ConfigError> {
-        let invalid = |reason: String| ConfigError::Invalid {
-            setting: "lease",
-            reason: format!("rule {:?}: {reason}", rule.name()),
-        };
-        if rule.quota().algorithm() == crate::Algorithm::SlidingLog {
-            return Err(invalid(
-                "the sliding log cannot be leased: its promise rests on each permit's own timestamp".into(),
-            ));
-        }
-        if self.block == Some(0) || self.max_block == 0 {
-            return Err(invalid("blocks need at least one permit".into()));
-        }
-        if !(self.max_share > 0.0 && self.max_share <= 1.0) {
-            return Err(invalid(format!(
-                "max_share must be in (0, 1], got {}",
-                self.max_share
-            )));
-        }
-        if !(self.promote_at.is_finite() && self.promote_at > 0.0) {
-            return Err(invalid(format!(
-                "promote_at must be positive, got {}",
-                self.promote_at
-            )));
-        }
-        if self.max_validity < Duration::from_millis(1) || self.idle.is_zero() {
-            return Err(invalid(
-                "max_validity must be at least 1 ms and idle non-zero".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// The block to ask for, given the key's observed rate.
-    fn block_size(&self, quota: &Quota, rate: f64, cost: u64) -> u64 {
-        let cap =
-            ((quota.capacity() as f64 * self.max_share).floor() as u64).clamp(1, self.max_block);
-        let wanted = self.block.unwrap_or((rate / 10.0).ceil() as u64);
-        wanted.clamp(1, cap).max(cost)
-    }
-}
+use crate::{Decision, Key, Rule, Source, Taken};
 
 /// One block of leased permits.
 #[derive(Debug)]
@@ -567,5 +454,133 @@ async fn sweep(me: Weak<Inner>) {
         };
         let now = inner.clock.now_us();
         inner.sweep_once(now).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Op;
+    use crate::{Algorithm, Clock, Limiter, ManualClock, MemoryStore, OnStoreError};
+
+    const T0: u64 = 1_735_689_600_000_000;
+
+    /// A limiter leasing rule "hot" from a memory store, on a manual clock; the store as peeked
+    /// by a second, unleased limiter.
+    fn fleet(config: LeaseConfig) -> (Limiter, Limiter, ManualClock) {
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let rule = Rule::new(
+            "hot",
+            crate::Quota::per_minute(100)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let leased = Limiter::builder(store.clone())
+            .rule(rule.clone())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", config)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let plain = Limiter::builder(store).rule(rule).build().unwrap();
+        (leased, plain, clock)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn spent_permits_carry_the_blocks_receipt() {
+        let (leased, plain, _) = fleet(LeaseConfig::fixed(10));
+        let key = Key::new("k");
+        let (d, receipt) = leased.consume_with_receipt(&key, 1).await.unwrap();
+        assert_eq!(d.source, Source::Lease, "the first request leases a block");
+        assert_eq!(
+            plain.peek(&key).await.unwrap().remaining,
+            90,
+            "a block of 10 taken"
+        );
+        let (d, second) = leased.consume_with_receipt(&key, 1).await.unwrap();
+        assert_eq!(d.source, Source::Lease);
+        leased.refund(second.unwrap()).await.unwrap();
+        leased.refund(receipt.unwrap()).await.unwrap();
+        assert_eq!(
+            plain.peek(&key).await.unwrap().remaining,
+            92,
+            "both refunds reached the store through the block's receipt"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn quiet_keys_and_expired_blocks_give_their_permits_back() {
+        let (leased, plain, clock) = fleet(LeaseConfig::fixed(10));
+        let (busy, quiet) = (Key::new("busy"), Key::new("quiet"));
+        leased.consume(&busy, 1).await.unwrap();
+        leased.consume(&quiet, 1).await.unwrap();
+        assert_eq!(leased.stats().leased_keys, 2);
+        // 80 ms later: busy is used again; both blocks are still valid.
+        clock.advance(Duration::from_millis(80));
+        leased.consume(&busy, 1).await.unwrap();
+        leased.inner.sweep_once(clock.now_us()).await;
+        assert_eq!(leased.stats().leased_keys, 2, "nothing is idle yet");
+        // 120 ms later: quiet has been idle past the default 100 ms.
+        clock.advance(Duration::from_millis(40));
+        leased.inner.sweep_once(clock.now_us()).await;
+        assert_eq!(leased.stats().leased_keys, 1);
+        assert_eq!(plain.peek(&quiet).await.unwrap().remaining, 99);
+        // Busy's block expires (250 ms) while it stays in leased mode: its permits come back.
+        clock.advance(Duration::from_millis(150));
+        // Still in use (as a request would mark it), without spending from the old block.
+        for slot in leased.inner.leases.slots.load().values() {
+            slot.last_used.store(clock.now_us(), Ordering::Relaxed);
+        }
+        leased.inner.sweep_once(clock.now_us()).await;
+        assert_eq!(leased.stats().leased_keys, 1);
+        assert_eq!(plain.peek(&busy).await.unwrap().remaining, 98);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_refill_per_key_in_flight() {
+        let (leased, plain, _) = fleet(LeaseConfig::fixed(12));
+        let key = Key::new("k");
+        let decisions = futures_join((0..12).map(|_| leased.consume(&key, 1))).await;
+        assert!(decisions.iter().all(|d| d.as_ref().unwrap().allowed));
+        assert_eq!(leased.stats().lease_calls, 1, "one block served all twelve");
+        assert_eq!(plain.peek(&key).await.unwrap().remaining, 88);
+    }
+
+    /// Runs futures concurrently on the current task, in order.
+    async fn futures_join<F: std::future::Future>(
+        futures: impl Iterator<Item = F>,
+    ) -> Vec<F::Output> {
+        let handles: Vec<_> = futures.map(Box::pin).collect();
+        let mut out = Vec::new();
+        for h in handles {
+            out.push(h.await);
+        }
+        out
+    }
+
+    #[test]
+    fn block_sizes_follow_the_rate_within_their_bounds() {
+        let q = crate::Quota::per_second(1_000).build().unwrap();
+        let auto = LeaseConfig::auto();
+        assert_eq!(
+            auto.block_size(&q, 400.0, 1),
+            40,
+            "a tenth of a second of traffic"
+        );
+        assert_eq!(
+            auto.block_size(&q, 1e6, 1),
+            125,
+            "at most an eighth of the quota"
+        );
+        assert_eq!(
+            auto.block_size(&q, 1.0, 5),
+            5,
+            "never smaller than the request"
+        );
+        assert_eq!(LeaseConfig::fixed(7).block_size(&q, 1e6, 1), 7);
+        let _ = Op::Peek;
     }
 }

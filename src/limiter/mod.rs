@@ -17,6 +17,8 @@ use crate::{Clock, Decision, Key, Rule, StoreError, Taken};
 mod breaker;
 mod builder;
 mod denials;
+mod domains;
+mod lease_config;
 mod leases;
 mod policy;
 mod rate;
@@ -25,7 +27,7 @@ pub use breaker::BreakerConfig;
 use breaker::Breakers;
 pub use builder::{InfallibleStore, LimiterBuilder, PolicyUnset, DEFAULT_DEADLINE};
 use denials::DenialCache;
-pub use leases::LeaseConfig;
+pub use lease_config::LeaseConfig;
 use leases::Leases;
 pub use policy::OnStoreError;
 use policy::{Deadline, Policy};
@@ -417,145 +419,6 @@ impl Inner {
     /// The index of `rule` among the limiter's rules (checks borrow them).
     fn rule_index(&self, rule: &Rule) -> Option<usize> {
         self.rules.iter().position(|r| std::ptr::eq(r, rule))
-    }
-
-    /// The store decides; checks on different failure domains (cluster slots) are consumed
-    /// domain by domain, and a later denial gives the earlier domains back through their
-    /// receipts. When a domain cannot answer, the policy decides the whole request.
-    async fn decide_in_store(
-        &self,
-        op: Op,
-        checks: &[Check<'_>],
-        deadline: Deadline,
-    ) -> Vec<Decision> {
-        let asked_at = self.clock.now_us();
-        let groups = self.domain_groups(checks.iter().map(std::slice::from_ref));
-        if groups.len() <= 1 {
-            return match self
-                .call_store(checks, deadline, self.store.apply(op, checks))
-                .await
-            {
-                Some(decisions) => {
-                    if let ([check], [d], Op::Consume) = (checks, decisions.as_slice(), op) {
-                        self.remember(check, d, asked_at);
-                    }
-                    decisions
-                }
-                None => self.fallback(op, checks),
-            };
-        }
-        let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
-        let mut taken: Vec<usize> = Vec::new();
-        let mut denied = false;
-        for members in &groups {
-            let group: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            let group_op = if denied { Op::Peek } else { op };
-            let Some(decisions) = self
-                .call_store(&group, deadline, self.store.apply(group_op, &group))
-                .await
-            else {
-                self.compensate(checks, &mut out, &taken, deadline).await;
-                return self.fallback(op, checks);
-            };
-            let all_allowed = decisions.iter().all(|d| d.allowed);
-            for (&i, d) in members.iter().zip(decisions) {
-                out[i] = Some(d);
-            }
-            if group_op == Op::Consume {
-                if all_allowed {
-                    taken.extend(members);
-                } else {
-                    denied = true;
-                }
-            }
-        }
-        if denied {
-            self.compensate(checks, &mut out, &taken, deadline).await;
-        }
-        match out.into_iter().collect::<Option<Vec<_>>>() {
-            Some(decisions) => decisions,
-            None => self.fallback(op, checks),
-        }
-    }
-
-    /// Give back what the `taken` checks' decisions took; they report the permits as still there.
-    async fn compensate(
-        &self,
-        checks: &[Check<'_>],
-        out: &mut [Option<Decision>],
-        taken: &[usize],
-        deadline: Deadline,
-    ) {
-        let refunds: Vec<Refund<'_>> = taken
-            .iter()
-            .filter_map(|&i| {
-                let d = out[i].as_mut()?;
-                d.remaining += checks[i].cost;
-                Some(Refund {
-                    rule: checks[i].rule,
-                    key: checks[i].key,
-                    taken: d.taken.take()?,
-                })
-            })
-            .collect();
-        if !refunds.is_empty() && !self.give_back(&refunds, deadline).await {
-            tracing::warn!(
-                "fleetlimit: could not give back permits after a denial on another slot; they stay taken until they expire"
-            );
-        }
-    }
-
-    /// Refunds, one store call per failure domain; false if any could not be made.
-    async fn give_back(&self, refunds: &[Refund<'_>], deadline: Deadline) -> bool {
-        let checks: Vec<Check<'_>> = refunds
-            .iter()
-            .map(|r| Check {
-                rule: r.rule,
-                key: r.key,
-                cost: r.taken.cost(),
-            })
-            .collect();
-        if self.policy.is_none() {
-            return self.store.refund(refunds).await.is_ok();
-        }
-        let mut all = true;
-        for members in self.domain_groups(checks.iter().map(std::slice::from_ref)) {
-            let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
-            let group_checks: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            all &= self
-                .call_store(&group_checks, deadline, self.store.refund(&group))
-                .await
-                .is_some();
-        }
-        all
-    }
-
-    /// Indexes of `items` grouped by the failure domain their checks depend on.
-    fn domain_groups<'c>(&self, items: impl Iterator<Item = &'c [Check<'c>]>) -> Vec<Vec<usize>> {
-        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
-        for (i, checks) in items.enumerate() {
-            let domain = self.store.failure_domain(checks);
-            match groups.iter_mut().find(|(d, _)| *d == domain) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((domain, vec![i])),
-            }
-        }
-        groups.into_iter().map(|(_, members)| members).collect()
-    }
-
-    /// Call the store for `checks` (one failure domain) through its breaker, within the
-    /// decision's deadline. `None`: the store could not decide.
-    async fn call_store<T>(
-        &self,
-        checks: &[Check<'_>],
-        deadline: Deadline,
-        call: impl std::future::Future<Output = Result<T, StoreError>>,
-    ) -> Option<T> {
-        let domain = self.store.failure_domain(checks);
-        let rule = checks.first().map_or("?", |c| c.rule.name());
-        self.breakers
-            .call(domain, rule, || self.clock.now_us(), deadline, call)
-            .await
     }
 
     /// A remembered denial of this single-rule consume at `now`, if there is one.
