@@ -8,6 +8,7 @@
 //!     [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local]
 //!     [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK]
 //!     [--max-keys N] [--refund-status LIST]
+//!     [--trusted-proxies CIDR[,CIDR...] | --trusted-hops N]
 //! ```
 //!
 //! Durations are written `500ms`, `60s`, `1m`, `1h`. For `token-bucket` and `gcra`, `--limit`
@@ -17,8 +18,10 @@
 //! Routes: `GET /` answers `ok`; `GET /status/{code}` answers with that status; on both,
 //! `?sleep_ms=N` delays the answer by N ms (a slow handler). `--refund-status 500-599,429` gives
 //! the permits of requests answered with one of those statuses back (through their receipts).
-//! `--max-keys N` bounds the memory store. `--help` prints the usage; an invalid command line
-//! exits 2 with a message on stderr, a failure to start exits 1.
+//! `--max-keys N` bounds the memory store. `--trusted-proxies` (address ranges) or
+//! `--trusted-hops` (a count of proxies in front) makes requests without an API key count
+//! against the client address the proxies report, not the proxy's. `--help` prints the usage;
+//! an invalid command line exits 2 with a message on stderr, a failure to start exits 1.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -29,6 +32,7 @@ use std::time::Duration;
 use axum::extract::{Path, Query};
 use axum::http::StatusCode;
 use axum::{routing::get, Router};
+use fleetlimit::key::{PeerIp, TrustedProxies};
 use fleetlimit::store::RedisStore;
 use fleetlimit::{
     key, Algorithm, HeaderStyle, LeaseConfig, Limiter, MemoryStore, OnStoreError, Quota,
@@ -40,7 +44,8 @@ const USAGE: &str = "usage: server [--port 3000] \
 [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra] \
 [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local] \
 [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK] \
-[--max-keys N] [--refund-status LIST (e.g. 500-599,429)]";
+[--max-keys N] [--refund-status LIST (e.g. 500-599,429)] \
+[--trusted-proxies CIDR[,CIDR...] | --trusted-hops N]";
 
 /// The longest `?sleep_ms=` the demo honours.
 const MAX_SLEEP_MS: u64 = 600_000;
@@ -58,6 +63,7 @@ struct Options {
     lease: Option<LeaseConfig>,
     max_keys: Option<usize>,
     refund_status: Vec<RangeInclusive<u16>>,
+    trusted: Option<TrustedProxies>,
 }
 
 /// What the command line asked for: run, or print the usage.
@@ -152,6 +158,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
         lease: None,
         max_keys: None,
         refund_status: Vec::new(),
+        trusted: None,
     };
     let mut seen = HashSet::new();
     let mut args = args.peekable();
@@ -218,6 +225,21 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
             "--burst" => o.burst = Some(parse_number("--burst", &value()?)?),
             "--max-keys" => o.max_keys = Some(parse_number("--max-keys", &value()?)?),
             "--refund-status" => o.refund_status = parse_statuses(&value()?)?,
+            "--trusted-proxies" | "--trusted-hops" if o.trusted.is_some() => {
+                return Err("--trusted-proxies and --trusted-hops exclude each other".into())
+            }
+            "--trusted-proxies" => {
+                let v = value()?;
+                o.trusted = Some(
+                    TrustedProxies::new(v.split(','))
+                        .map_err(|e| format!("--trusted-proxies: {e}"))?,
+                );
+            }
+            "--trusted-hops" => {
+                let hops: u8 = parse_number("--trusted-hops", &value()?)?;
+                o.trusted =
+                    Some(TrustedProxies::hops(hops).map_err(|e| format!("--trusted-hops: {e}"))?);
+            }
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
@@ -348,6 +370,9 @@ async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
     let mut builder = RateLimitLayer::builder(limiter)
         .key(key::header("x-api-key"))
         .headers(o.headers);
+    if let Some(trusted) = &o.trusted {
+        builder = builder.peer_ip(PeerIp::default().trust(trusted.clone()));
+    }
     if !o.refund_status.is_empty() {
         let statuses = o.refund_status.clone();
         builder = builder.scope(
@@ -555,6 +580,16 @@ mod tests {
         assert!(parse(&["--algorithm", "leaky"]).is_err());
         assert!(parse(&["--store", "postgres"]).is_err());
         assert!(parse(&["--store", "redis-cluster://"]).is_err());
+        assert!(parse(&["--trusted-proxies", "10.0.0.0/8,::1"])
+            .unwrap()
+            .trusted
+            .is_some());
+        assert!(parse(&["--trusted-proxies", "10.0.0.0/8,nope"]).is_err());
+        assert!(parse(&["--trusted-hops", "2"]).unwrap().trusted.is_some());
+        for bad in ["0", "33", "-1", "x"] {
+            assert!(parse(&["--trusted-hops", bad]).is_err(), "{bad}");
+        }
+        assert!(parse(&["--trusted-hops", "1", "--trusted-proxies", "10.0.0.0/8"]).is_err());
         assert!(
             parse(&["--store", "redis://127.0.0.1:6379"]).is_err(),
             "policy required"

@@ -669,8 +669,9 @@ async fn hostile_input_never_panics_and_has_a_defined_outcome() {
             started.elapsed()
         );
     }
-    // Malformed forwarding from a trusted proxy falls back to the proxy's own address: one bucket
-    // for all of them, never one the client picked.
+    // Behind a trusted proxy, what the proxy appended decides: the client's own junk to the left
+    // of it (20,000 hops here) never sends it to the proxy's bucket. A header the layer does not
+    // read (`Forwarded`, by default) changes nothing: the proxy's own address.
     let limiter = memory_limiter(vec![rule("r", 1)]);
     let strict = app(RateLimitLayer::builder(limiter)
         .peer_ip(PeerIp::default().trust(TrustedProxies::private_networks()))
@@ -685,14 +686,16 @@ async fn hostile_input_never_panics_and_has_a_defined_outcome() {
             .status(),
         StatusCode::OK
     );
-    assert_eq!(
+    let from_client = || {
         Req::get("/")
             .peer([10, 1, 1, 1])
-            .raw_header("x-forwarded-for", chain)
-            .send(&strict)
-            .await
-            .status(),
-        StatusCode::TOO_MANY_REQUESTS
+            .raw_header("x-forwarded-for", chain.clone())
+    };
+    assert_eq!(from_client().send(&strict).await.status(), StatusCode::OK);
+    assert_eq!(
+        from_client().send(&strict).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "1.2.3.4 has its own bucket, and it is spent"
     );
 }
 
@@ -703,4 +706,105 @@ async fn unknown_scope_rule_is_an_error_when_the_layer_is_built() {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("nope"));
+}
+
+/// axum's `get()` serves HEAD with the GET handler: a HEAD request must not go around a limit
+/// scoped to GET.
+#[tokio::test]
+async fn head_counts_against_a_get_scope() {
+    let app = app(
+        RateLimitLayer::builder(memory_limiter(vec![rule("reads", 2)]))
+            .scope("reads", Scope::new().route(Method::GET, "/"))
+            .build()
+            .unwrap(),
+    );
+    let head = || Req {
+        method: Method::HEAD,
+        ..Req::get("/")
+    };
+    assert_eq!(head().send(&app).await.status(), StatusCode::OK);
+    assert_eq!(Req::get("/").send(&app).await.status(), StatusCode::OK);
+    assert_eq!(
+        head().send(&app).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+/// A scope's own key missing from a request is the client's doing: by default the rule is
+/// skipped; `Reject` answers 400. Never a 500.
+#[tokio::test]
+async fn a_missing_scope_key_is_never_a_server_error() {
+    let scoped = |missing: Option<MissingKey>| {
+        let mut scope = Scope::new().key(key::header("x-account"));
+        if let Some(m) = missing {
+            scope = scope.on_missing_key(m);
+        }
+        app(
+            RateLimitLayer::builder(memory_limiter(vec![rule("per-account", 1)]))
+                .scope("per-account", scope)
+                .build()
+                .unwrap(),
+        )
+    };
+    let default = scoped(None);
+    for _ in 0..3 {
+        assert_eq!(Req::get("/").send(&default).await.status(), StatusCode::OK);
+    }
+    let with = || Req::get("/").header("x-account", "a");
+    assert_eq!(with().send(&default).await.status(), StatusCode::OK);
+    assert_eq!(
+        with().send(&default).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let strict = scoped(Some(MissingKey::Reject));
+    let r = Req::get("/").send(&strict).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let body = r.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, r#"{"error":"missing_rate_limit_key"}"#);
+}
+
+#[tokio::test]
+async fn header_keys_take_any_case_and_bad_names_fail_the_build() {
+    let app = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .key(key::header("X-Api-Key"))
+        .build()
+        .unwrap());
+    let with = |k: &str| Req::get("/").header("x-api-key", k);
+    assert_eq!(with("a").send(&app).await.status(), StatusCode::OK);
+    assert_eq!(
+        with("a").send(&app).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let err = RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .key(key::header("bad name"))
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&err, fleetlimit::ConfigError::Invalid { setting, .. } if *setting == "key header"),
+        "{err:?}"
+    );
+    let err = RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .scope("r", Scope::new().key(key::header("x\ny")))
+        .build();
+    assert!(err.is_err());
+}
+
+/// A custom denial keeps the rate-limit headers it set itself; the others are added.
+#[tokio::test]
+async fn a_custom_denial_keeps_its_own_headers() {
+    let custom = Denial::custom(|_| {
+        let mut r = http::Response::new(bytes::Bytes::from_static(b"no"));
+        *r.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        r.headers_mut()
+            .insert("ratelimit-limit", HeaderValue::from_static("mine"));
+        r
+    });
+    let app = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
+        .denial(custom)
+        .build()
+        .unwrap());
+    Req::get("/").send(&app).await;
+    let r = Req::get("/").send(&app).await;
+    assert_eq!(h(&r, "ratelimit-limit").as_deref(), Some("mine"));
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("0"));
 }

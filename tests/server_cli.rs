@@ -133,6 +133,9 @@ fn invalid_flags_exit_2_with_a_message() {
             "--max-keys",
             "100",
         ],
+        &["--trusted-proxies", "10.0.0.0/33"],
+        &["--trusted-hops", "0"],
+        &["--trusted-hops", "1", "--trusted-proxies", "127.0.0.1"],
     ] {
         let out = Command::new(server_binary()).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
@@ -160,6 +163,8 @@ fn help_prints_the_usage_on_stdout_and_exits_0() {
             "--lease",
             "--max-keys",
             "--refund-status",
+            "--trusted-proxies",
+            "--trusted-hops",
         ] {
             assert!(usage.contains(documented), "{documented} missing: {usage}");
         }
@@ -334,4 +339,44 @@ fn redis_without_an_outage_policy_is_refused() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--on-store-error"));
+}
+
+/// Behind a trusted proxy (here the test itself, on 127.0.0.1), anonymous requests count against
+/// the client address the proxy reports; without the flag, against the proxy.
+#[test]
+fn trusted_proxies_key_anonymous_requests_by_the_reported_client() {
+    let get_from = |port: u16, client: &str| {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(
+            s,
+            "GET / HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 6.6.6.6, {client}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        status(&out)
+    };
+    for flags in [
+        &["--trusted-proxies", "127.0.0.0/8"][..],
+        &["--trusted-hops", "1"],
+    ] {
+        let mut args = vec!["--port", "0", "--limit", "1", "--period", "1h"];
+        args.extend_from_slice(flags);
+        let server = start(&args);
+        assert_eq!(get_from(server.1, "198.51.100.1"), 200, "{flags:?}");
+        assert_eq!(get_from(server.1, "198.51.100.1"), 429, "{flags:?}");
+        assert_eq!(
+            get_from(server.1, "198.51.100.2"),
+            200,
+            "{flags:?}: its own bucket"
+        );
+    }
+    let untrusting = start(&["--port", "0", "--limit", "1", "--period", "1h"]);
+    assert_eq!(get_from(untrusting.1, "198.51.100.1"), 200);
+    assert_eq!(
+        get_from(untrusting.1, "198.51.100.2"),
+        429,
+        "without the flag every client shares the proxy's bucket"
+    );
 }

@@ -8,22 +8,116 @@ use axum::{routing::get, Router};
 use fleetlimit::{key, Algorithm, Limiter, ManualClock, MemoryStore, Quota, RateLimitLayer, Rule};
 use tower::ServiceExt;
 
+use std::sync::{Arc, Mutex};
+
+#[derive(Clone, Default)]
+struct Buf(Arc<Mutex<Vec<u8>>>);
+impl std::io::Write for Buf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs `f` with a subscriber at `level` and returns what it logged.
+fn logged(level: tracing::Level, f: impl FnOnce()) -> String {
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let out = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    out
+}
+
+fn get_from(app: &Router, peer: [u8; 4], headers: &[(&str, &str)]) -> http::StatusCode {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut req = http::Request::get("/");
+    for (n, v) in headers {
+        req = req.header(*n, *v);
+    }
+    let mut req = req.body(Body::empty()).unwrap();
+    req.extensions_mut().insert(SocketAddr::from((peer, 1)));
+    runtime.block_on(app.clone().oneshot(req)).unwrap().status()
+}
+
+fn memory_limiter() -> Limiter {
+    let store = MemoryStore::builder()
+        .clock(ManualClock::default())
+        .build()
+        .unwrap();
+    Limiter::builder(store)
+        .rule(Rule::new("r", Quota::per_minute(100_000).build().unwrap()).unwrap())
+        .build()
+        .unwrap()
+}
+
+/// Misconfiguration is said once, at `warn`: a client-chosen key with no per-address rule, a
+/// private-range peer sending forwarding headers nobody trusts, and every request from one
+/// address.
+#[test]
+fn misconfiguration_is_said_once() {
+    use fleetlimit::key::PeerIp;
+    use fleetlimit::Scope;
+    let out = logged(tracing::Level::WARN, || {
+        let _ = RateLimitLayer::builder(memory_limiter())
+            .key(key::header("X-Api-Key"))
+            .build()
+            .unwrap();
+    });
+    assert_eq!(
+        out.matches("a client sending a new value each time")
+            .count(),
+        1,
+        "{out}"
+    );
+    // With a per-address rule in front, nothing to say.
+    let out = logged(tracing::Level::WARN, || {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::default())
+            .build()
+            .unwrap();
+        let limiter = Limiter::builder(store)
+            .rule(Rule::new("per-ip", Quota::per_minute(10).build().unwrap()).unwrap())
+            .rule(Rule::new("per-key", Quota::per_minute(10).build().unwrap()).unwrap())
+            .build()
+            .unwrap();
+        let _ = RateLimitLayer::builder(limiter)
+            .key(key::header("x-api-key"))
+            .scope("per-ip", Scope::new().key(PeerIp::default()))
+            .build()
+            .unwrap();
+    });
+    assert!(!out.contains("new value each time"), "{out}");
+
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(RateLimitLayer::new(memory_limiter()));
+    let out = logged(tracing::Level::WARN, || {
+        for _ in 0..3 {
+            get_from(&app, [10, 0, 0, 5], &[("x-forwarded-for", "198.51.100.7")]);
+        }
+    });
+    assert_eq!(out.matches("no proxy is trusted").count(), 1, "{out}");
+    let out = logged(tracing::Level::WARN, || {
+        for _ in 0..10_000 {
+            get_from(&app, [10, 0, 0, 5], &[]);
+        }
+    });
+    assert_eq!(out.matches("all came from one address").count(), 1, "{out}");
+}
+
 /// One event per decision (rule, outcome, remaining, source, latency), and never the raw key.
 #[test]
 fn decisions_are_traced_without_raw_keys() {
-    use std::sync::{Arc, Mutex};
-
-    #[derive(Clone, Default)]
-    struct Buf(Arc<Mutex<Vec<u8>>>);
-    impl std::io::Write for Buf {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
     let buf = Buf::default();
     let writer = buf.clone();
     let subscriber = tracing_subscriber::fmt()

@@ -2,10 +2,15 @@
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use http::request::Parts;
+use http::HeaderName;
 
+use super::forwarded::{is_private, single_value_ip};
 use super::{client_ip, ForwardedHeader, Key, TrustedProxies};
+use crate::ConfigError;
 
 /// Chooses the key a request counts against.
 ///
@@ -13,6 +18,23 @@ use super::{client_ip, ForwardedHeader, Key, TrustedProxies};
 pub trait KeyExtractor: Send + Sync + 'static {
     /// The key for this request, if this extractor can tell.
     fn extract(&self, parts: &Parts) -> Option<Key>;
+
+    /// Whether this extractor is usable; checked when the layer is built, so a bad setting (an
+    /// invalid header name) is a configuration error, never a failure on a request.
+    fn check(&self) -> Result<(), ConfigError> {
+        Ok(())
+    }
+
+    /// Whether a client picks this key freely (a header it sends): such a key alone does not
+    /// limit a client that sends a new value each time.
+    fn chosen_by_client(&self) -> bool {
+        false
+    }
+
+    /// Whether this extractor keys by client address.
+    fn per_address(&self) -> bool {
+        false
+    }
 }
 
 /// A [`KeyExtractor`] from a closure over the request's parts; see [`from_fn`].
@@ -53,36 +75,45 @@ where
     }
 }
 
-/// A request header's value as the key (an API key, a tenant id). Any bytes are accepted; a
-/// request without the header has no key from this extractor (the layer falls back to the peer
-/// address). Values over 128 bytes are hashed, like every long key.
+/// A request header's value as the key (an API key, a tenant id). The name is case-insensitive
+/// (`"X-Api-Key"` works); an invalid name is a configuration error when the layer is built. Any
+/// bytes are accepted as the value; a request without the header has no key from this
+/// extractor (the layer falls back to the peer address). Values over 128 bytes are hashed, like
+/// every long key.
+///
+/// A client chooses this value: on its own, a client sending a new value each time is never
+/// limited. Validate it first (an authentication layer), or put a per-address rule in front (the
+/// README's "Keys an attacker controls").
 ///
 /// ```
 /// use fleetlimit::key::{header, KeyExtractor};
 /// use fleetlimit::Key;
 ///
-/// let by_api_key = header("x-api-key");
+/// let by_api_key = header("X-Api-Key");
 /// let (parts, _) = http::Request::builder().header("x-api-key", "abc").body(()).unwrap().into_parts();
 /// assert_eq!(by_api_key.extract(&parts), Some(Key::new("abc")));
 /// ```
-pub fn header(name: &'static str) -> HeaderKey {
-    HeaderKey(http::HeaderName::from_static(name))
+pub fn header(name: &str) -> HeaderKey {
+    HeaderKey(
+        HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()).map_err(|e| {
+            ConfigError::Invalid {
+                setting: "key header",
+                reason: format!("{name:?} is not a header name: {e}"),
+            }
+        }),
+    )
 }
 
 /// A [`KeyExtractor`] reading a request header; see [`header`].
 #[derive(Debug, Clone)]
-pub struct HeaderKey(http::HeaderName);
+pub struct HeaderKey(Result<HeaderName, ConfigError>);
 
 impl HeaderKey {
-    /// A header extractor for a name known only at run time (an error if it is not a valid
-    /// header name).
-    pub fn new(name: &str) -> Result<HeaderKey, crate::ConfigError> {
-        http::HeaderName::try_from(name)
-            .map(HeaderKey)
-            .map_err(|e| crate::ConfigError::Invalid {
-                setting: "header",
-                reason: format!("{name:?}: {e}"),
-            })
+    /// A header extractor, its name checked now.
+    pub fn new(name: &str) -> Result<HeaderKey, ConfigError> {
+        let key = header(name);
+        key.check()?;
+        Ok(key)
     }
 }
 
@@ -90,9 +121,17 @@ impl KeyExtractor for HeaderKey {
     fn extract(&self, parts: &Parts) -> Option<Key> {
         parts
             .headers
-            .get(&self.0)
+            .get(self.0.as_ref().ok()?)
             .filter(|v| !v.is_empty())
             .map(|v| Key::new(v.as_bytes()))
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        self.0.as_ref().map(|_| ()).map_err(Clone::clone)
+    }
+
+    fn chosen_by_client(&self) -> bool {
+        true
     }
 }
 
@@ -117,19 +156,31 @@ impl KeyExtractor for Global {
 /// Forwarding headers from anyone else are ignored, so a client cannot spoof its way to a fresh
 /// bucket. IPv6 clients are grouped by a prefix (default /64).
 ///
+/// Misconfiguration is said once, at `warn`: forwarding headers from an untrusted private-range
+/// peer (a proxy not configured), or the first 10,000 requests all from one address (every
+/// client sharing the proxy's bucket).
+///
 /// ```
 /// use fleetlimit::key::{PeerIp, TrustedProxies};
 ///
 /// // Behind a load balancer on the private network.
 /// let client = PeerIp::default().trust(TrustedProxies::new(["10.0.0.0/8"])?);
-/// # let _ = client;
-/// # Ok::<(), String>(())
+/// // Behind exactly two proxies (a CDN, then a load balancer), whatever their addresses.
+/// let counted = PeerIp::default().trust(TrustedProxies::hops(2)?);
+/// // Behind a proxy that sets one header with the client's address.
+/// let real_ip = PeerIp::default()
+///     .trust(TrustedProxies::new(["10.0.0.0/8"])?)
+///     .client_header("X-Real-IP")?;
+/// # let _ = (client, counted, real_ip);
+/// # Ok::<(), fleetlimit::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct PeerIp {
     ipv6_prefix: u8,
     trusted: TrustedProxies,
     header: ForwardedHeader,
+    client_header: Option<HeaderName>,
+    watch: Arc<Watch>,
 }
 
 impl Default for PeerIp {
@@ -138,6 +189,52 @@ impl Default for PeerIp {
             ipv6_prefix: 64,
             trusted: TrustedProxies::none(),
             header: ForwardedHeader::default(),
+            client_header: None,
+            watch: Arc::default(),
+        }
+    }
+}
+
+/// Requests from one peer before the layer says that every client seems to share it.
+const SAME_PEER_WARNING: u32 = 10_000;
+
+/// Watches for a proxy nobody configured; says so once.
+#[derive(Debug, Default)]
+struct Watch {
+    warned_forwarding: AtomicBool,
+    first_peer: OnceLock<IpAddr>,
+    same_peer: AtomicU32,
+    settled: AtomicBool,
+}
+
+impl Watch {
+    fn observe(&self, peer: IpAddr, parts: &Parts, trusted: &TrustedProxies) {
+        if !self.warned_forwarding.load(Ordering::Relaxed)
+            && (parts.headers.contains_key("x-forwarded-for")
+                || parts.headers.contains_key(http::header::FORWARDED))
+            && !trusted.contains(peer)
+            && is_private(peer)
+            && !self.warned_forwarding.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                %peer,
+                "fleetlimit: requests from a private address carry forwarding headers, but no \
+                 proxy is trusted: if this is your load balancer, every client behind it \
+                 shares one limit (configure PeerIp::trust)"
+            );
+        }
+        if self.settled.load(Ordering::Relaxed) {
+            return;
+        }
+        if *self.first_peer.get_or_init(|| peer) != peer {
+            self.settled.store(true, Ordering::Relaxed);
+        } else if self.same_peer.fetch_add(1, Ordering::Relaxed) + 1 == SAME_PEER_WARNING {
+            self.settled.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                %peer,
+                "fleetlimit: the first {SAME_PEER_WARNING} requests all came from one address: \
+                 if it is a proxy, every client shares its limit (configure PeerIp::trust)"
+            );
         }
     }
 }
@@ -147,6 +244,21 @@ impl PeerIp {
     pub fn trust(mut self, proxies: TrustedProxies) -> Self {
         self.trusted = proxies;
         self
+    }
+
+    /// Read the client's address from this single-value header (`X-Real-IP`,
+    /// `CF-Connecting-IP`, `True-Client-IP`) when the peer is a trusted proxy; a request whose
+    /// header is missing or holds anything but one address falls back to the forwarding chain.
+    /// Only for proxies that always set (overwrite) it.
+    pub fn client_header(mut self, name: &str) -> Result<Self, ConfigError> {
+        let name = HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()).map_err(|e| {
+            ConfigError::Invalid {
+                setting: "client header",
+                reason: format!("{name:?} is not a header name: {e}"),
+            }
+        })?;
+        self.client_header = Some(name);
+        Ok(self)
     }
 
     /// Which forwarding header trusted proxies set (default: `X-Forwarded-For`).
@@ -188,14 +300,31 @@ impl PeerIp {
     }
 }
 
+impl PeerIp {
+    /// The client's address for a request from `peer`.
+    fn client(&self, peer: IpAddr, parts: &Parts) -> IpAddr {
+        if self.trusted.is_empty() || !self.trusted.contains(peer) {
+            return peer;
+        }
+        if let Some(ip) = self
+            .client_header
+            .as_ref()
+            .and_then(|name| single_value_ip(&parts.headers, name))
+        {
+            return ip;
+        }
+        client_ip(peer, &parts.headers, &self.trusted, self.header)
+    }
+}
+
 impl KeyExtractor for PeerIp {
     fn extract(&self, parts: &Parts) -> Option<Key> {
         let peer = PeerIp::peer_addr(parts)?;
-        let client = if self.trusted.is_empty() {
-            peer
-        } else {
-            client_ip(peer, &parts.headers, &self.trusted, self.header)
-        };
-        Some(Key::from_ip(client, self.ipv6_prefix))
+        self.watch.observe(peer, parts, &self.trusted);
+        Some(Key::from_ip(self.client(peer, parts), self.ipv6_prefix))
+    }
+
+    fn per_address(&self) -> bool {
+        true
     }
 }

@@ -1,9 +1,11 @@
 //! The real client address behind reverse proxies, without letting clients spoof it.
 //!
 //! Forwarding headers (`Forwarded`, `X-Forwarded-For`) are believed only when the TCP peer is a
-//! trusted proxy. The chain is then walked from the right (the peer being the last hop), skipping
-//! trusted proxies; the first untrusted hop is the client. Anything we cannot parse on the way
-//! makes us fall back to the peer: we never return an address the client could pick freely.
+//! trusted proxy. The chain is then read from the right (the peer being the last hop), one
+//! element at a time, skipping trusted proxies; the first untrusted hop is the client. Only the
+//! elements that trusted proxies appended are ever read: whatever a client put to the left of
+//! them (malformed, non-ASCII, oversized, unbalanced quotes, thousands of hops) never changes the
+//! result, and the work stops at the element picked.
 
 use std::borrow::Cow;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -13,13 +15,16 @@ use ipnet::IpNet;
 
 /// At most this many forwarding elements (counted from the right) are looked at.
 const MAX_HOPS: usize = 32;
-/// Header lines longer than this many bytes make the chain malformed.
-const MAX_LINE: usize = 8 * 1024;
+/// An element longer than this many bytes is no address (`for="[v6]:port";proto=https;…` fits).
+const MAX_ELEMENT: usize = 512;
 
-/// Proxies whose forwarding headers are believed.
+/// Proxies whose forwarding headers are believed: address ranges, or a number of hops.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TrustedProxies {
     nets: Vec<IpNet>,
+    /// Trust by count: this many proxies stand in front of the service (the peer is the
+    /// nearest); 0 when trusting by range.
+    hops: u8,
 }
 
 impl TrustedProxies {
@@ -31,8 +36,8 @@ impl TrustedProxies {
     /// Parse CIDR ranges or single addresses (`"10.0.0.0/8"`, `"192.168.1.7"`, `"::1"`,
     /// `"fd00::/8"`). A single address means /32 or /128. Host bits of a range are cleared.
     ///
-    /// Returns `Err` naming the first entry that is neither a range nor an address.
-    pub fn new<I, S>(ranges: I) -> Result<Self, String>
+    /// An entry that is neither a range nor an address is a [`ConfigError`](crate::ConfigError).
+    pub fn new<I, S>(ranges: I) -> Result<Self, crate::ConfigError>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
@@ -48,39 +53,78 @@ impl TrustedProxies {
             };
             match net {
                 Some(net) => nets.push(net),
-                None => return Err(format!("invalid trusted proxy range {raw:?}")),
+                None => {
+                    return Err(crate::ConfigError::Invalid {
+                        setting: "trusted proxies",
+                        reason: format!("{raw:?} is neither an address nor a CIDR range"),
+                    })
+                }
             }
         }
-        Ok(Self { nets })
+        Ok(Self { nets, hops: 0 })
+    }
+
+    /// Trust by count, as express's `trust proxy: N`: exactly `hops` proxies (1 to 32) stand in
+    /// front of the service, the peer being the nearest; the client is the `hops`-th address
+    /// from the right of the forwarding chain (the left-most when the chain is shorter). Only
+    /// sound when no client can reach the service without passing through all of them: a
+    /// client that bypasses one chooses its address.
+    pub fn hops(hops: u8) -> Result<Self, crate::ConfigError> {
+        if hops == 0 || usize::from(hops) > MAX_HOPS {
+            return Err(crate::ConfigError::Invalid {
+                setting: "trusted hops",
+                reason: format!("must be between 1 and {MAX_HOPS}, got {hops}"),
+            });
+        }
+        Ok(Self {
+            nets: Vec::new(),
+            hops,
+        })
     }
 
     /// Loopback and private ranges: 127.0.0.0/8, 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16,
     /// ::1/128, fc00::/7.
     pub fn private_networks() -> Self {
-        const RANGES: [&str; 6] = [
-            "127.0.0.0/8",
-            "10.0.0.0/8",
-            "172.16.0.0/12",
-            "192.168.0.0/16",
-            "::1/128",
-            "fc00::/7",
-        ];
-        let nets = RANGES.iter().filter_map(|r| r.parse().ok()).collect();
-        Self { nets }
+        Self {
+            nets: private_nets(),
+            hops: 0,
+        }
     }
 
-    /// Whether `ip` is trusted (IPv4-mapped IPv6 addresses are compared as IPv4).
+    /// Whether `ip` is trusted (IPv4-mapped IPv6 addresses are compared as IPv4). When trusting
+    /// by count, the peer always is.
     pub fn contains(&self, ip: IpAddr) -> bool {
+        if self.hops > 0 {
+            return true;
+        }
         let canonical = ip.to_canonical();
         self.nets
             .iter()
             .any(|net| net.contains(&canonical) || net.contains(&ip))
     }
 
-    /// Whether no range is configured.
+    /// Whether no proxy is trusted.
     pub fn is_empty(&self) -> bool {
-        self.nets.is_empty()
+        self.nets.is_empty() && self.hops == 0
     }
+}
+
+fn private_nets() -> Vec<IpNet> {
+    const RANGES: [&str; 6] = [
+        "127.0.0.0/8",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "::1/128",
+        "fc00::/7",
+    ];
+    RANGES.iter().filter_map(|r| r.parse().ok()).collect()
+}
+
+/// Whether `ip` is loopback or in a private range (a proxy's address, usually).
+pub(crate) fn is_private(ip: IpAddr) -> bool {
+    let ip = ip.to_canonical();
+    private_nets().iter().any(|net| net.contains(&ip))
 }
 
 /// Which forwarding header(s) to read: the one your proxies set. Read only that one: a proxy
@@ -99,14 +143,14 @@ pub enum ForwardedHeader {
 }
 
 /// The client address: `peer` unless `peer` is trusted, in which case the right-most untrusted
-/// address of the forwarding chain (peer appended as the last hop). If every hop is trusted, the
-/// left-most hop. If the chain is malformed or contains an unusable hop (`unknown`, obfuscated
-/// `_x`, garbage) at or before the position we would pick, return `peer` (fail safe: never an
-/// address the client could have chosen freely).
+/// address of the forwarding chain (peer appended as the last hop); if every hop is trusted, the
+/// left-most hop. An element a trusted proxy appended that is no usable address (`unknown`, an
+/// obfuscated `_x`, garbage) names no client: the proxy that appended it is the answer. Only the
+/// elements up to the one picked are read, so nothing a client sent to the left of them matters;
+/// past 32 trusted elements, `peer`.
 ///
-/// With [`ForwardedHeader::Both`], a present `Forwarded` header is used even if it turns out to be
-/// unusable; `X-Forwarded-For` is read only when no `Forwarded` line exists. At most the last 32
-/// elements are examined; if they are all trusted and more exist, the result is `peer`.
+/// With [`ForwardedHeader::Both`], a present `Forwarded` header is used; `X-Forwarded-For` is
+/// read only when no `Forwarded` line exists.
 pub fn client_ip(
     peer: IpAddr,
     headers: &HeaderMap,
@@ -117,83 +161,138 @@ pub fn client_ip(
     if !trusted.contains(peer) {
         return peer;
     }
-    let use_forwarded = match which {
+    let forwarded = match which {
         ForwardedHeader::Both => headers.contains_key(http::header::FORWARDED),
         ForwardedHeader::Forwarded => true,
         ForwardedHeader::XForwardedFor => false,
     };
-    let hops = if use_forwarded {
-        chain(headers, "forwarded", push_forwarded)
+    let name = if forwarded {
+        http::header::FORWARDED
     } else {
-        chain(headers, "x-forwarded-for", push_xff)
+        http::header::HeaderName::from_static("x-forwarded-for")
     };
-    let Some(hops) = hops else { return peer };
-    // `hops` runs right to left; `None` is a hop we cannot use.
-    let mut leftmost = peer;
-    for (i, hop) in hops.iter().enumerate() {
+    let parse = if forwarded {
+        forwarded_for_bytes
+    } else {
+        xff_element
+    };
+    // Right to left: the last line first, each line's elements from its end.
+    let elements = headers
+        .get_all(&name)
+        .iter()
+        .rev()
+        .flat_map(|line| Elements::new(line.as_bytes(), forwarded));
+    let mut nearest = peer;
+    for (i, element) in elements.enumerate() {
         if i >= MAX_HOPS {
             return peer;
         }
-        match *hop {
-            Some(ip) if trusted.contains(ip) => leftmost = ip,
+        let hop = parse(element).map(|ip| ip.to_canonical());
+        if trusted.hops > 0 {
+            // By count: the `hops - 1` elements nearest the peer are the other proxies.
+            match hop {
+                Some(ip) if i + 1 >= usize::from(trusted.hops) => return ip,
+                Some(ip) => nearest = ip,
+                None => return nearest,
+            }
+            continue;
+        }
+        match hop {
+            Some(ip) if trusted.contains(ip) => nearest = ip,
             Some(ip) => return ip,
-            None => return peer,
+            None => return nearest,
         }
     }
-    leftmost
+    nearest
 }
 
-/// Right-to-left hops of header `name` (at most `MAX_HOPS + 1`), or `None` if a line is too long
-/// or not visible ASCII.
-fn chain(
-    headers: &HeaderMap,
-    name: &'static str,
-    push: fn(&str, &mut Vec<Option<IpAddr>>),
-) -> Option<Vec<Option<IpAddr>>> {
-    let lines = headers.get_all(name);
-    for line in lines.iter() {
-        if line.len() > MAX_LINE || line.to_str().is_err() {
+/// The elements of one header line, from the right: split on `,` (outside quoted-strings for
+/// `Forwarded`), each trimmed. Reading stops where the caller stops: the bytes to the left of
+/// the last element taken are never examined.
+struct Elements<'a> {
+    rest: &'a [u8],
+    quoted: bool,
+    done: bool,
+}
+
+impl<'a> Elements<'a> {
+    fn new(line: &'a [u8], quoted: bool) -> Self {
+        Elements {
+            rest: line,
+            quoted,
+            done: false,
+        }
+    }
+}
+
+impl<'a> Iterator for Elements<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        if self.done {
             return None;
         }
-    }
-    let mut hops = Vec::with_capacity(MAX_HOPS + 1);
-    for line in lines.iter().rev() {
-        if hops.len() > MAX_HOPS {
-            break;
+        let bytes = self.rest;
+        let mut in_quotes = false;
+        let mut i = bytes.len();
+        while i > 0 {
+            i -= 1;
+            let b = bytes[i];
+            if self.quoted && b == b'"' {
+                // A quote escaped by an odd run of backslashes is content.
+                let slashes = bytes[..i].iter().rev().take_while(|&&c| c == b'\\').count();
+                if slashes % 2 == 0 {
+                    in_quotes = !in_quotes;
+                }
+            } else if b == b',' && !in_quotes {
+                self.rest = &bytes[..i];
+                return Some(trim_ows_bytes(&bytes[i + 1..]));
+            }
         }
-        push(line.to_str().ok()?, &mut hops);
-    }
-    Some(hops)
-}
-
-/// Push the elements of one `X-Forwarded-For` line, right to left.
-fn push_xff(line: &str, hops: &mut Vec<Option<IpAddr>>) {
-    for element in line.rsplit(',') {
-        if hops.len() > MAX_HOPS {
-            return;
-        }
-        let element = trim_ows(element);
-        let ip = match element.parse::<IpAddr>() {
-            Ok(ip) => Some(ip),
-            Err(_) => parse_host_port(element),
-        };
-        hops.push(ip.map(|ip| ip.to_canonical()));
+        self.done = true;
+        Some(trim_ows_bytes(bytes))
     }
 }
 
-/// Push the elements of one `Forwarded` line, right to left. A line with broken quoting counts
-/// as one unusable hop.
-fn push_forwarded(line: &str, hops: &mut Vec<Option<IpAddr>>) {
-    let Some(elements) = split_unquoted(line, b',') else {
-        hops.push(None);
-        return;
-    };
-    for element in elements.iter().rev() {
-        if hops.len() > MAX_HOPS {
-            return;
-        }
-        hops.push(forwarded_for(element).map(|ip| ip.to_canonical()));
+fn trim_ows_bytes(mut s: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = s {
+        s = rest;
     }
+    while let [rest @ .., b' ' | b'\t'] = s {
+        s = rest;
+    }
+    s
+}
+
+/// The address of one `X-Forwarded-For` element.
+fn xff_element(element: &[u8]) -> Option<IpAddr> {
+    if element.len() > MAX_ELEMENT {
+        return None;
+    }
+    let element = std::str::from_utf8(element).ok()?;
+    element
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| parse_host_port(element))
+}
+
+/// The `for=` address of one `Forwarded` element.
+fn forwarded_for_bytes(element: &[u8]) -> Option<IpAddr> {
+    if element.len() > MAX_ELEMENT {
+        return None;
+    }
+    forwarded_for(std::str::from_utf8(element).ok()?)
+}
+
+/// One address from a single-value client header (`X-Real-IP`, `CF-Connecting-IP`,
+/// `True-Client-IP`): exactly one line holding one address.
+pub(crate) fn single_value_ip(headers: &HeaderMap, name: &http::HeaderName) -> Option<IpAddr> {
+    let mut lines = headers.get_all(name).iter();
+    let line = lines.next()?;
+    if lines.next().is_some() {
+        return None;
+    }
+    xff_element(trim_ows_bytes(line.as_bytes())).map(|ip| ip.to_canonical())
 }
 
 /// The address in the `for=` parameter of one `Forwarded` element, if the element is well formed
@@ -378,8 +477,9 @@ mod tests {
                 (&["::ffff:198.51.100.7"], "198.51.100.7"),
                 (&["10.0.0.3, 192.168.1.1"], "10.0.0.3"), // all trusted: left-most
                 (&[], PEER),
-                // Malformed at or before the pick: peer. Left of the pick: irrelevant.
-                (&["198.51.100.7, , 10.0.0.2"], PEER),
+                // Unusable where the pick would be: the proxy that appended it. Left of the
+                // pick: never read.
+                (&["198.51.100.7, , 10.0.0.2"], "10.0.0.2"),
                 (&["garbage"], PEER),
                 (&["198.51.100.7:99999"], PEER),
                 (&["[1.2.3.4]"], PEER),
@@ -423,7 +523,7 @@ mod tests {
                     &["for=198.51.100.9", "for=10.0.0.2;proto=https"],
                     "198.51.100.9",
                 ),
-                // Unusable or malformed at the position we would pick: peer.
+                // Unusable or malformed at the position we would pick: the proxy that wrote it.
                 (&["for=198.51.100.1, for=unknown"], PEER),
                 (&["for=198.51.100.1, for=_hidden"], PEER),
                 (&["for=198.51.100.1, proto=https"], PEER),
@@ -436,6 +536,8 @@ mod tests {
                 (&["for"], PEER),
                 (&["for=198.51.100.1, "], PEER),
                 (&["for=198.51.100.9", r#"for="10.0.0.2"#], PEER),
+                // A client's unbalanced quote to the left of what the proxy appended.
+                (&[r#"for="6.6.6.6, for=198.51.100.9"#], "198.51.100.9"),
             ],
         );
     }
@@ -461,30 +563,99 @@ mod tests {
         }
     }
 
+    /// The soundness of a proxied key: whatever a client writes to the left of what the trusted
+    /// proxy appended (bytes ≥ 0x80, a line over 8 KB, unbalanced quotes, thousands of hops)
+    /// never sends it to the proxy's bucket, nor anywhere but its own address.
     #[test]
-    fn non_ascii_value_is_peer() {
-        let mut h = HeaderMap::new();
-        h.append("x-forwarded-for", HeaderValue::from_static("198.51.100.7"));
-        h.append(
-            "x-forwarded-for",
-            HeaderValue::from_bytes(b"\xff10.0.0.2").unwrap(),
-        );
-        assert_eq!(get(PEER, &h, ForwardedHeader::Both), ip(PEER));
-        // A bad `Forwarded` is not replaced by `X-Forwarded-For`.
-        h.insert("x-forwarded-for", HeaderValue::from_static("198.51.100.7"));
-        h.append(
-            "forwarded",
-            HeaderValue::from_bytes(b"for=\xc3\xa9").unwrap(),
-        );
-        assert_eq!(get(PEER, &h, ForwardedHeader::Both), ip(PEER));
+    fn a_clients_part_of_the_chain_never_changes_the_result() {
+        let hostile: Vec<Vec<u8>> = vec![
+            b"\xff\xfe garbage".to_vec(),
+            vec![b'a'; 20_000],
+            b"\"unbalanced".to_vec(),
+            "10.0.0.9, ".repeat(5_000).into_bytes(),
+            b"for=\"[::1".to_vec(),
+        ];
+        for which in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded] {
+            let (name, appended) = match which {
+                ForwardedHeader::Forwarded => ("forwarded", "for=198.51.100.7"),
+                _ => ("x-forwarded-for", "198.51.100.7"),
+            };
+            for prefix in &hostile {
+                // One line: the client's junk, then the proxy's append.
+                let mut line = prefix.clone();
+                line.extend_from_slice(b", ");
+                line.extend_from_slice(appended.as_bytes());
+                let mut h = HeaderMap::new();
+                h.append(name, HeaderValue::from_bytes(&line).unwrap());
+                let start = Instant::now();
+                assert_eq!(
+                    get(PEER, &h, which),
+                    ip("198.51.100.7"),
+                    "{which:?} one line"
+                );
+                assert!(start.elapsed() < Duration::from_millis(50));
+                // Two lines: the client's own line, then the proxy's.
+                let mut h = HeaderMap::new();
+                h.append(name, HeaderValue::from_bytes(prefix).unwrap());
+                h.append(name, HeaderValue::from_static(appended));
+                assert_eq!(
+                    get(PEER, &h, which),
+                    ip("198.51.100.7"),
+                    "{which:?} two lines"
+                );
+            }
+        }
     }
 
     #[test]
-    fn huge_header_is_peer_and_fast() {
+    fn trust_by_hop_count() {
+        let two = TrustedProxies::hops(2).unwrap();
+        let mut h = HeaderMap::new();
+        h.append(
+            "x-forwarded-for",
+            HeaderValue::from_static("6.6.6.6, 198.51.100.7, 203.0.113.5"),
+        );
+        // The peer (a load balancer) and one more proxy (203.0.113.5): the client is next.
+        let got = client_ip(ip("192.0.2.1"), &h, &two, ForwardedHeader::XForwardedFor);
+        assert_eq!(got, ip("198.51.100.7"));
+        let one = TrustedProxies::hops(1).unwrap();
+        let got = client_ip(ip("192.0.2.1"), &h, &one, ForwardedHeader::XForwardedFor);
+        assert_eq!(got, ip("203.0.113.5"));
+        // A chain shorter than the count: its left-most element.
+        let five = TrustedProxies::hops(5).unwrap();
+        let got = client_ip(ip("192.0.2.1"), &h, &five, ForwardedHeader::XForwardedFor);
+        assert_eq!(got, ip("6.6.6.6"));
+        assert!(TrustedProxies::hops(0).is_err() && TrustedProxies::hops(33).is_err());
+    }
+
+    #[test]
+    fn single_value_client_headers() {
+        let name = http::HeaderName::from_static("x-real-ip");
+        let mut h = HeaderMap::new();
+        assert_eq!(single_value_ip(&h, &name), None);
+        h.append("x-real-ip", HeaderValue::from_static(" 198.51.100.7 "));
+        assert_eq!(single_value_ip(&h, &name), Some(ip("198.51.100.7")));
+        h.append("x-real-ip", HeaderValue::from_static("6.6.6.6"));
+        assert_eq!(
+            single_value_ip(&h, &name),
+            None,
+            "two lines: no single value"
+        );
+        let mut h = HeaderMap::new();
+        h.append("x-real-ip", HeaderValue::from_static("1.2.3.4, 5.6.7.8"));
+        assert_eq!(single_value_ip(&h, &name), None);
+    }
+
+    #[test]
+    fn huge_header_is_fast() {
         let big = "10.0.0.2, ".repeat(10_240) + "198.51.100.7";
         assert!(big.len() > 100_000);
         let start = Instant::now();
-        check("x-forwarded-for", ForwardedHeader::Both, &[(&[&big], PEER)]);
+        check(
+            "x-forwarded-for",
+            ForwardedHeader::Both,
+            &[(&[&big], "198.51.100.7")],
+        );
         check("forwarded", ForwardedHeader::Both, &[(&[&big], PEER)]);
         assert!(start.elapsed() < Duration::from_secs(2));
     }
@@ -522,7 +693,7 @@ mod tests {
     #[test]
     fn trusted_proxies_parsing() {
         let err = TrustedProxies::new(["10.0.0.0/8", "bad"]).unwrap_err();
-        assert!(err.contains("bad"), "{err}");
+        assert!(err.to_string().contains("bad"), "{err}");
         assert!(TrustedProxies::new(["10.0.0.0/33"]).is_err());
         assert!(TrustedProxies::new([""]).is_err());
         let one = TrustedProxies::new(["192.168.1.7"]).unwrap();
@@ -538,6 +709,7 @@ mod tests {
         assert!(none.is_empty() && !none.contains(ip("127.0.0.1")));
         let p = TrustedProxies::private_networks();
         assert_eq!(p.nets.len(), 6);
+        assert!(is_private(ip("10.1.2.3")) && !is_private(ip("8.8.8.8")));
         for a in [
             "127.0.0.1",
             "10.1.1.1",

@@ -9,14 +9,19 @@ use crate::error::ConfigError;
 use crate::key::{KeyExtractor, PeerIp};
 use crate::{Key, Limiter};
 
-/// What to do with a request for which no key can be found (no extractor matched and the peer
-/// address is unknown).
+/// What to do with a request for which no key can be found.
+///
+/// For the layer's key ([`RateLimitLayerBuilder::on_missing_key`]): no extractor matched and the
+/// peer address is unknown, a server misconfiguration (axum served without
+/// `into_make_service_with_connect_info`, say); the default, `Reject`, answers `500` with
+/// `{"error":"no_rate_limit_key"}` and logs an error. For a scope's own key
+/// ([`Scope::on_missing_key`]): the client did not send it; the default there is `Skip`, and
+/// `Reject` answers `400` with `{"error":"missing_rate_limit_key"}`, logged at `debug`: client
+/// input never causes a server error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum MissingKey {
-    /// Answer `500` with `{"error":"no_rate_limit_key"}` and log an error: a server that cannot
-    /// tell its clients apart is misconfigured (axum served without
-    /// `into_make_service_with_connect_info`, say). The default.
+    /// Refuse the request (500 for the layer's key, 400 for a scope's own key).
     #[default]
     Reject,
     /// Let the request through without that rule.
@@ -78,8 +83,10 @@ pub(crate) type Targets = smallvec::SmallVec<[(usize, Key); 2]>;
 pub(crate) enum Plan {
     /// No rule applies (or the request costs nothing): straight to the service.
     Pass,
-    /// An applicable rule has no key and the missing-key rule says reject.
+    /// No key at all for the layer's key (no peer address): the server is misconfigured.
     NoKey,
+    /// A scope's own key is missing and its rule says reject: the client's request is incomplete.
+    MissingKey,
     /// Consume `cost` from these (rule index, key) pairs.
     Check { targets: Targets, cost: u64 },
 }
@@ -97,7 +104,18 @@ impl Config {
                 continue;
             }
             let key = match &scope.key {
-                Some(extractor) => extractor.extract(parts),
+                Some(extractor) => match (extractor.extract(parts), scope.missing_key) {
+                    (Some(key), _) => Some(key),
+                    (None, MissingKey::Reject) => return Plan::MissingKey,
+                    (None, MissingKey::Shared) => Some(Key::keyless()),
+                    (None, _) => {
+                        tracing::debug!(
+                            rule = self.limiter.rules().get(i).map_or("?", |r| r.name()),
+                            "fleetlimit: no key for this rule in the request; the rule is skipped"
+                        );
+                        continue;
+                    }
+                },
                 None => default_key
                     .get_or_insert_with(|| {
                         self.key
@@ -236,7 +254,10 @@ impl RateLimitLayerBuilder {
         self
     }
 
-    /// What to do with requests that have no key (default [`MissingKey::Reject`]).
+    /// What to do with requests that have no key at all: no extractor matched and the peer
+    /// address is unknown (default [`MissingKey::Reject`]: a 500 and an error log, since the
+    /// server cannot tell its clients apart). A scope's own key has its own rule,
+    /// [`Scope::on_missing_key`].
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
         self.config.missing_key = missing;
         self
@@ -263,7 +284,38 @@ impl RateLimitLayerBuilder {
                 reason: format!("{} is not an error status", self.config.unavailable_status),
             });
         }
+        let c = &self.config;
+        let extractors = c
+            .key
+            .iter()
+            .chain(c.scopes.iter().filter_map(|s| s.key.as_ref()));
+        for extractor in extractors {
+            extractor.check()?;
+        }
+        self.warn_about_client_chosen_keys();
         Ok(self.finish())
+    }
+
+    /// A key the client chooses freely, with no rule counting per address in front of it, does
+    /// not limit a client that sends a new value each time: say so when the layer is built.
+    fn warn_about_client_chosen_keys(&self) {
+        let c = &self.config;
+        let chosen = c.key.as_ref().is_some_and(|k| k.chosen_by_client())
+            || c.scopes
+                .iter()
+                .any(|s| s.key.as_ref().is_some_and(|k| k.chosen_by_client()));
+        let per_address = c.scopes.iter().any(|s| match &s.key {
+            Some(k) => k.per_address(),
+            // A rule on the layer's key counts per address whenever the request has no key.
+            None => c.key.is_none(),
+        });
+        if chosen && !per_address {
+            tracing::warn!(
+                "fleetlimit: keys come from a header the client chooses and no rule counts per \
+                 client address: a client sending a new value each time is never limited. \
+                 Validate the key first, or add a per-address rule (Scope::key(PeerIp))"
+            );
+        }
     }
 
     fn finish(self) -> RateLimitLayer {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use http::request::Parts;
 use http::{Method, StatusCode};
 
+use super::MissingKey;
 use crate::key::KeyExtractor;
 
 type Predicate = Arc<dyn Fn(&Parts) -> bool + Send + Sync>;
@@ -29,12 +30,13 @@ type RefundIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 /// let free = Scope::new().when(|parts| parts.headers.get("x-plan").is_some_and(|p| p == "free"));
 /// # let _ = (login, free);
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Scope {
     pub(crate) method: Option<Method>,
     pub(crate) path: Option<PathMatch>,
     pub(crate) when: Option<Predicate>,
     pub(crate) key: Option<Arc<dyn KeyExtractor>>,
+    pub(crate) missing_key: MissingKey,
     pub(crate) refund_if: Option<RefundIf>,
 }
 
@@ -51,8 +53,22 @@ impl fmt::Debug for Scope {
             .field("path", &self.path)
             .field("when", &self.when.is_some())
             .field("key", &self.key.is_some())
+            .field("missing_key", &self.missing_key)
             .field("refund_if", &self.refund_if.is_some())
             .finish()
+    }
+}
+
+impl Default for Scope {
+    fn default() -> Self {
+        Scope {
+            method: None,
+            path: None,
+            when: None,
+            key: None,
+            missing_key: MissingKey::Skip,
+            refund_if: None,
+        }
     }
 }
 
@@ -63,8 +79,10 @@ impl Scope {
     }
 
     /// Only requests with this method and path. A path ending in `/*` matches everything under
-    /// it (`/api/*` matches `/api` and `/api/users/7`); any other path matches exactly. For
-    /// axum route patterns, put a layer on the route with `route_layer` instead.
+    /// it (`/api/*` matches `/api` and `/api/users/7`); any other path matches exactly. `GET`
+    /// also matches `HEAD` (axum's `get()` serves HEAD with the GET handler, so a HEAD request
+    /// must not go around a GET limit). For axum route patterns, put a layer on the route with
+    /// `route_layer` instead.
     pub fn route(mut self, method: Method, path: &str) -> Scope {
         self.method = Some(method);
         self.path = Some(match path.strip_suffix("/*") {
@@ -81,9 +99,18 @@ impl Scope {
     }
 
     /// Count this rule against this key instead of the layer's (per IP while the layer keys by
-    /// account, say). A request for which it finds no key follows the layer's missing-key rule.
+    /// account, say). A request for which it finds no key follows
+    /// [`on_missing_key`](Scope::on_missing_key): by default the rule is skipped for it.
     pub fn key(mut self, extractor: impl KeyExtractor) -> Scope {
         self.key = Some(Arc::new(extractor));
+        self
+    }
+
+    /// What a request without this scope's own key gets (default [`MissingKey::Skip`]: the
+    /// rule does not apply to it, logged at `debug`). The key comes from the client, so a missing
+    /// one is never a server error: [`MissingKey::Reject`] answers `400 Bad Request`.
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Scope {
+        self.missing_key = missing;
         self
     }
 
@@ -99,7 +126,10 @@ impl Scope {
     }
 
     pub(crate) fn matches(&self, parts: &Parts) -> bool {
-        if self.method.as_ref().is_some_and(|m| *m != parts.method) {
+        let method_ok = self.method.as_ref().is_none_or(|m| {
+            *m == parts.method || (*m == Method::GET && parts.method == Method::HEAD)
+        });
+        if !method_ok {
             return false;
         }
         let path = parts.uri.path();
@@ -134,10 +164,15 @@ mod tests {
         assert!(login.matches(&parts(Method::POST, "/login")));
         assert!(login.matches(&parts(Method::POST, "/login?next=/")));
         assert!(!login.matches(&parts(Method::GET, "/login")));
+        assert!(!login.matches(&parts(Method::HEAD, "/login")));
         assert!(!login.matches(&parts(Method::POST, "/login/x")));
         let api = Scope::new().route(Method::GET, "/api/*");
         assert!(api.matches(&parts(Method::GET, "/api")));
         assert!(api.matches(&parts(Method::GET, "/api/users/7")));
+        assert!(
+            api.matches(&parts(Method::HEAD, "/api/users/7")),
+            "HEAD is served by GET handlers"
+        );
         assert!(!api.matches(&parts(Method::GET, "/apix")));
         assert!(Scope::new().matches(&parts(Method::DELETE, "/anything")));
     }

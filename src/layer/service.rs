@@ -54,6 +54,7 @@ where
         match plan {
             Plan::Pass => ResponseFuture::pass(self.inner.call(req)),
             Plan::NoKey => ResponseFuture::answer(super::verdict::no_key(grpc)),
+            Plan::MissingKey => ResponseFuture::answer(super::verdict::missing_key(grpc)),
             Plan::Check { targets, cost } => {
                 // The inner service was driven to readiness; keep that instance for this call
                 // and leave a fresh clone behind (the Tower-documented pattern).

@@ -56,7 +56,19 @@ impl Verdict {
     pub(crate) fn denial(&self, grpc: bool) -> Response<Bytes> {
         let c = &self.config;
         let mut response = response::denied(&self.governing, &c.denial, grpc, c.unavailable_status);
-        self.write_headers(response.headers_mut());
+        if matches!(c.denial, super::Denial::Custom(_)) {
+            // A custom denial's own rate-limit headers are kept; the others are added.
+            let mut ours = http::HeaderMap::new();
+            self.write_headers(&mut ours);
+            let headers = response.headers_mut();
+            for (name, value) in ours.iter() {
+                if !headers.contains_key(name) {
+                    headers.insert(name.clone(), value.clone());
+                }
+            }
+        } else {
+            self.write_headers(response.headers_mut());
+        }
         response.extensions_mut().insert(self.info());
         response
     }
@@ -146,6 +158,20 @@ pub(crate) fn no_key(grpc: bool) -> Response<Bytes> {
         StatusCode::INTERNAL_SERVER_ERROR,
         "application/json",
         r#"{"error":"no_rate_limit_key"}"#,
+    )
+}
+
+/// A scope's own key is missing and its rule says reject: the client's request is incomplete
+/// (400, or gRPC `INVALID_ARGUMENT`), said at `debug`: a client must not be able to fill the logs.
+pub(crate) fn missing_key(grpc: bool) -> Response<Bytes> {
+    tracing::debug!("fleetlimit: a request without the key a rule requires was refused");
+    if grpc {
+        return response::grpc_status("3", "missing rate-limit key");
+    }
+    response::json(
+        StatusCode::BAD_REQUEST,
+        "application/json",
+        r#"{"error":"missing_rate_limit_key"}"#,
     )
 }
 
