@@ -397,53 +397,6 @@ async fn shadow_mode_never_denies_but_says_what_it_would_do() {
 }
 
 #[tokio::test]
-async fn per_tenant_plans_and_weighted_cost() {
-    let limiter = memory_limiter(vec![rule("free", 10), rule("paid", 1_000)]);
-    let plan = |p: &'static str| {
-        move |parts: &http::request::Parts| parts.headers.get("x-plan").is_some_and(|v| v == p)
-    };
-    let app = app(RateLimitLayer::builder(limiter)
-        .key(key::header("x-tenant"))
-        .scope("free", Scope::new().when(plan("free")))
-        .scope("paid", Scope::new().when(plan("paid")))
-        .cost(|parts| if parts.uri.path() == "/import" { 10 } else { 1 })
-        .build()
-        .unwrap());
-    let send = |plan: &'static str, path: &'static str| {
-        let req = if path == "/import" {
-            Req::post(path, "")
-        } else {
-            Req::get(path)
-        };
-        req.header("x-plan", plan).header("x-tenant", plan)
-    };
-    assert_eq!(
-        send("free", "/import").send(&app).await.status(),
-        StatusCode::OK
-    );
-    let r = send("free", "/").send(&app).await;
-    assert_eq!(
-        r.status(),
-        StatusCode::TOO_MANY_REQUESTS,
-        "an import took the free plan's 10"
-    );
-    for _ in 0..50 {
-        assert_eq!(
-            send("paid", "/import").send(&app).await.status(),
-            StatusCode::OK
-        );
-    }
-    assert_eq!(
-        h(&send("paid", "/").send(&app).await, "ratelimit-remaining").as_deref(),
-        Some("499")
-    );
-    // No plan header: no rule applies, no headers, no limit.
-    let r = Req::get("/").header("x-tenant", "anon").send(&app).await;
-    assert_eq!(r.status(), StatusCode::OK);
-    assert!(h(&r, "ratelimit-limit").is_none());
-}
-
-#[tokio::test]
 async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
     let limiter = memory_limiter(vec![rule("ip", 1)]);
     let trusted = PeerIp::default()
@@ -560,11 +513,13 @@ async fn ipv6_peers_in_one_64_share_a_bucket() {
 #[tokio::test]
 async fn missing_keys_follow_the_configured_outcome() {
     let keyless = || Request::get("/").body(Body::empty()).unwrap();
+    // No key and no peer address: the server cannot tell clients apart. Loud, never a bucket
+    // silently shared by every client.
     let reject = app(RateLimitLayer::new(memory_limiter(vec![rule("r", 1)])));
-    assert_eq!(
-        reject.oneshot(keyless()).await.unwrap().status(),
-        StatusCode::INTERNAL_SERVER_ERROR
-    );
+    let r = reject.oneshot(keyless()).await.unwrap();
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = r.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, r#"{"error":"no_rate_limit_key"}"#);
     let skip = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))
         .on_missing_key(MissingKey::Skip)
         .build()
@@ -632,7 +587,10 @@ async fn problem_details_and_custom_denials() {
 #[tokio::test]
 async fn hostile_input_never_panics_and_has_a_defined_outcome() {
     let limiter = memory_limiter(vec![rule("r", 1_000)]);
-    let trusted = PeerIp::default().trust(TrustedProxies::private_networks());
+    // Both headers read, so the hostile `Forwarded` cases are really parsed.
+    let trusted = PeerIp::default()
+        .trust(TrustedProxies::private_networks())
+        .forwarded_header(fleetlimit::key::ForwardedHeader::Both);
     let lenient = app(RateLimitLayer::builder(limiter)
         .key(key::header("x-api-key"))
         .peer_ip(trusted)

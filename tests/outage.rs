@@ -402,3 +402,66 @@ async fn soak_kill_restart_cycles() {
         "{tasks_before} → {tasks_after} tasks"
     );
 }
+
+/// Decisions the outage policy made counted nothing, so a refund of them must give nothing: fail
+/// open with refunds on 5xx, Redis paused (calls queued on the connection still run when it
+/// resumes), 5xx responses, Redis back: no permit appeared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncounted_decisions_are_never_refunded() {
+    use tower::ServiceExt;
+    let server = RedisServer::start();
+    let limiter = limiter(&server.url(), OnStoreError::FailOpen, 5).await;
+    let app = axum::Router::new()
+        .route(
+            "/",
+            axum::routing::get(|| async { (http::StatusCode::INTERNAL_SERVER_ERROR, "boom") }),
+        )
+        .layer(
+            fleetlimit::RateLimitLayer::builder(limiter.clone())
+                .key(fleetlimit::key::global())
+                .scope(
+                    "outage",
+                    fleetlimit::Scope::new().refund_if(|s| s.is_server_error()),
+                )
+                .build()
+                .unwrap(),
+        );
+    let send = || {
+        let app = app.clone();
+        async move {
+            app.oneshot(
+                http::Request::get("/")
+                    .body(axum::body::Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap()
+            .status()
+        }
+    };
+    let k = fleetlimit::Key::global();
+    // On a live server, 5xx responses give back exactly what their requests took.
+    for _ in 0..10 {
+        assert_eq!(send().await, http::StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    assert_eq!(limiter.peek(&k).await.unwrap().remaining, 5);
+    // Two permits taken and kept, counted by Redis.
+    assert!(limiter.consume(&k, 2).await.unwrap().allowed);
+    server.pause();
+    for _ in 0..20 {
+        assert_eq!(send().await, http::StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    server.resume();
+    let started = Instant::now();
+    loop {
+        let d = limiter.peek(&k).await.unwrap();
+        if !d.degraded {
+            // Calls abandoned at the deadline may still have run (that is why they are never
+            // retried), so fewer may be left; never more.
+            assert!(d.remaining <= 3, "a permit appeared: {d:?}");
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "never back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

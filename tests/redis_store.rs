@@ -736,10 +736,26 @@ async fn skewed_app_clocks_do_not_matter_because_redis_keeps_time() {
             admitted
         }
     };
-    // Two app servers whose own clocks are an hour apart, deciding on Redis's TIME (the
-    // default): one limit.
+    // Two app servers deciding on the default clock: one limit, and the scripts read Redis's
+    // TIME for every decision (an app clock would never call it: this fails if the default
+    // stopped using Redis's clock, even on one machine whose clocks agree).
+    let time_calls = || {
+        let info = server.info("commandstats").unwrap();
+        support::redis::info_field(&info, "cmdstat_time")
+            .and_then(|v| {
+                v.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    let before = time_calls();
     let (a, b) = (connect(None).await, connect(None).await);
     assert_eq!(consume_until_denied(a, b, Key::new("shared")).await, 10);
+    assert!(time_calls() >= before + 40, "every decision read TIME");
 
     // The same two, deciding on their own skewed clocks instead: the late one sees the bucket
     // refilled, and the pair admits far more than the limit. This is why TIME is the default.

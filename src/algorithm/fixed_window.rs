@@ -236,6 +236,24 @@ mod tests {
         }
 
         #[test]
+        fn admits_exactly_what_fits_its_window(
+            limit in 1u64..20,
+            period_ms in 1u64..50,
+            arrivals in arrivals_strategy(200, 30),
+        ) {
+            let q = quota(limit, period_ms);
+            let p = q.period_us();
+            run_against_reference(&q, &arrivals, |admitted, t, cost| {
+                let counted: u64 = admitted
+                    .iter()
+                    .filter(|(at, _)| at / p == t / p)
+                    .map(|(_, c)| c)
+                    .sum();
+                counted + cost <= limit
+            })?;
+        }
+
+        #[test]
         fn retry_after_is_exact(limit in 1u64..20, period_ms in 1u64..50, arrivals in arrivals_strategy(60, 30)) {
             check_retry_exact_over(&quota(limit, period_ms), &arrivals)?;
         }

@@ -226,6 +226,19 @@ mod tests {
             prop_assert!(per_window.values().all(|&n| n <= limit));
         }
 
+        /// The default algorithm, leased: a window's count never passes the limit, so no aligned
+        /// window holds more than the limit, spends from blocks included, fleet-wide.
+        #[test]
+        fn leased_sliding_windows_never_exceed_the_limit_per_window(limit in 1u64..20, period_ms in 5u64..200, ev in events()) {
+            let q = quota_of(Algorithm::SlidingWindow, limit, period_ms, None);
+            let admitted = fleet_admissions(&q, &ev);
+            let mut per_window = std::collections::HashMap::new();
+            for (t, c) in admitted {
+                *per_window.entry(t / q.period_us()).or_insert(0u64) += c;
+            }
+            prop_assert!(per_window.values().all(|&n| n <= limit), "{:?}", per_window);
+        }
+
         #[test]
         fn leased_buckets_keep_the_envelope_widened_by_the_validity(limit in 1u64..20, period_ms in 5u64..200, burst in 1u64..20, gcra in any::<bool>(), ev in events()) {
             let algorithm = if gcra { Algorithm::Gcra } else { Algorithm::TokenBucket };

@@ -282,6 +282,31 @@ mod tests {
         }
 
         #[test]
+        fn admits_exactly_what_its_estimate_allows(
+            limit in 1u64..20,
+            period_ms in 1u64..50,
+            arrivals in arrivals_strategy(200, 30),
+        ) {
+            let q = quota(limit, period_ms);
+            let p = q.period_us();
+            let p_ms = p / 1000;
+            run_against_reference(&q, &arrivals, |admitted, t, cost| {
+                let window = t - t % p;
+                let sum_in = |from: u64, to: u64| {
+                    admitted
+                        .iter()
+                        .filter(|(at, _)| *at >= from && *at < to)
+                        .map(|(_, c)| c)
+                        .sum::<u64>()
+                };
+                let current = sum_in(window, window + p);
+                let previous = if window >= p { sum_in(window - p, window) } else { 0 };
+                let e = (t - window) / 1000;
+                previous * (p_ms - e) + (current + cost) * p_ms <= limit * p_ms
+            })?;
+        }
+
+        #[test]
         fn retry_after_is_exact(limit in 1u64..20, period_ms in 1u64..50, arrivals in arrivals_strategy(60, 30)) {
             check_retry_exact_over(&quota(limit, period_ms), &arrivals)?;
         }

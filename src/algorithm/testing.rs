@@ -147,6 +147,36 @@ pub(crate) fn arrivals_strategy(
     prop::collection::vec((gap, cost), 1..max_len)
 }
 
+/// Replays the arrivals and checks every decision both ways against an exact reference:
+/// `fits(admitted so far, time, cost)` says whether the algorithm's rule admits the request.
+/// An algorithm that admits too much fails safety; one that refuses what fits (a deny-everything
+/// algorithm) fails liveness. Returns the admitted (time, cost) pairs.
+pub(crate) fn run_against_reference(
+    quota: &Quota,
+    arrivals: &[(u64, u64)],
+    fits: impl Fn(&[(u64, u64)], u64, u64) -> bool,
+) -> Result<Vec<(u64, u64)>, TestCaseError> {
+    let mut sim = Sim::new(quota, T0 + 123_457);
+    let mut admitted = Vec::new();
+    for &(gap, cost) in arrivals {
+        sim.advance_us(gap);
+        let expected = cost <= quota.capacity() && fits(&admitted, sim.now, cost);
+        let d = sim.consume(cost);
+        prop_assert_eq!(
+            d.allowed,
+            expected,
+            "cost {} at {} after {:?}",
+            cost,
+            sim.now - T0,
+            admitted.len()
+        );
+        if d.allowed {
+            admitted.push((sim.now, cost));
+        }
+    }
+    Ok(admitted)
+}
+
 /// Replays the arrivals from `T0` plus a random-looking offset; returns the admitted
 /// (time, cost) pairs.
 pub(crate) fn run(quota: &Quota, arrivals: &[(u64, u64)]) -> Vec<(u64, u64)> {
@@ -220,7 +250,13 @@ pub(crate) fn check_retry_exact_over(
         sim.advance_us(gap);
         let before = sim.clone();
         let d = sim.consume(cost);
-        if !d.allowed && d.retry_after.is_some() {
+        if !d.allowed && cost <= quota.capacity() {
+            // Every denial of a cost the quota can admit says exactly when it will be.
+            prop_assert!(
+                d.retry_after.is_some(),
+                "a denial without a retry time: {:?}",
+                d
+            );
             retry_exactness(&before, cost).map_err(TestCaseError::fail)?;
         }
         if cost > quota.capacity() {
@@ -228,4 +264,49 @@ pub(crate) fn check_retry_exact_over(
         }
     }
     Ok(())
+}
+
+/// From `expires_at` on, a state decides exactly like a fresh one (so dropping it changes
+/// nothing): replays the arrivals and compares, after each, the state at its expiry with a fresh
+/// state at the same time, for costs 1 and `cost`.
+pub(crate) fn check_expiry_over(
+    quota: &Quota,
+    arrivals: &[(u64, u64)],
+) -> Result<(), TestCaseError> {
+    let mut sim = Sim::new(quota, T0 + 55_555);
+    for &(gap, cost) in arrivals {
+        sim.advance_us(gap);
+        sim.consume(cost);
+        let at = sim.state.expires_at(quota);
+        if at <= sim.now {
+            continue;
+        }
+        for c in [1, cost] {
+            let mut stale = sim.state.clone();
+            let mut fresh = State::new(quota);
+            prop_assert_eq!(
+                stale.decide(at, quota, c),
+                fresh.decide(at, quota, c),
+                "at expiry {} (now {})",
+                at - T0,
+                sim.now - T0
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #[test]
+    fn every_state_is_fresh_from_its_expiry(
+        alg in 0usize..5,
+        limit in 1u64..20,
+        period_ms in 1u64..50,
+        burst in 1u64..20,
+        arrivals in arrivals_strategy(60, 30),
+    ) {
+        let algorithm = Algorithm::ALL[alg];
+        let burst = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra).then_some(burst);
+        check_expiry_over(&quota_of(algorithm, limit, period_ms, burst), &arrivals)?;
+    }
 }

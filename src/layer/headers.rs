@@ -107,6 +107,17 @@ impl HeaderStyle {
         headers.insert(names[1].clone(), number(governing.remaining));
         headers.insert(names[2].clone(), number(ceil_secs(governing.reset_after)));
     }
+
+    /// The headers this style writes for `decisions` (`rules[i]` decided `decisions[i]`), as the
+    /// layer writes them: a hook for fuzzing and property tests.
+    #[doc(hidden)]
+    pub fn render(self, rules: &[&Rule], decisions: &[Decision]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(governing) = decisions.iter().copied().reduce(Decision::more_restrictive) {
+            self.write(rules, decisions, &governing, &mut headers);
+        }
+        headers
+    }
 }
 
 fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) {

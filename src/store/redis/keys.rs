@@ -86,9 +86,10 @@ mod tests {
         assert_eq!(slot(b"{user1000}.following"), slot(b"{user1000}.followers"));
         assert_eq!(
             slot(b"foo{}{bar}"),
-            slot(b"foo{}{bar}"),
-            "empty tag: whole key"
+            crc16(b"foo{}{bar}") % 16384,
+            "an empty first tag: the whole key is hashed"
         );
+        assert_ne!(slot(b"foo{}{bar}"), slot(b"bar"));
     }
 
     #[test]
