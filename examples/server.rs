@@ -3,13 +3,18 @@
 //!
 //! ```text
 //! cargo run --release --example server -- [--port 3000]
-//!     [--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...]
+//!     [--store memory|redis://HOST:PORT|rediss://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...|redis-sentinel://HOST:PORT,.../MASTER]
 //!     [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra]
 //!     [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local]
 //!     [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK]
 //!     [--max-keys N] [--refund-status LIST]
 //!     [--trusted-proxies CIDR[,CIDR...] | --trusted-hops N]
+//!     [--redis-ca FILE]                         (with --store rediss://HOST:PORT)
 //! ```
+//!
+//! `--store` also takes `rediss://HOST:PORT` (TLS; `--redis-ca` names the CA to trust) and
+//! `redis-sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME`. A Redis store that does not answer
+//! yet is no reason not to start: the outage policy decides until it does.
 //!
 //! Durations are written `500ms`, `60s`, `1m`, `1h`. For `token-bucket` and `gcra`, `--limit`
 //! per `--period` is the refill rate and `--burst` the capacity (default: the limit). Once ready
@@ -40,12 +45,13 @@ use fleetlimit::{
 };
 
 const USAGE: &str = "usage: server [--port 3000] \
-[--store memory|redis://HOST:PORT|redis-cluster://HOST:PORT,HOST:PORT,...] \
+[--store memory|redis://HOST:PORT|rediss://HOST:PORT|redis-cluster://HOST:PORT,...|\
+redis-sentinel://HOST:PORT,.../MASTER] \
 [--algorithm fixed-window|sliding-log|sliding-window|token-bucket|gcra] \
 [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local] \
 [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK] \
 [--max-keys N] [--refund-status LIST (e.g. 500-599,429)] \
-[--trusted-proxies CIDR[,CIDR...] | --trusted-hops N]";
+[--trusted-proxies CIDR[,CIDR...] | --trusted-hops N] [--redis-ca FILE]";
 
 /// The longest `?sleep_ms=` the demo honours.
 const MAX_SLEEP_MS: u64 = 600_000;
@@ -64,6 +70,7 @@ struct Options {
     max_keys: Option<usize>,
     refund_status: Vec<RangeInclusive<u16>>,
     trusted: Option<TrustedProxies>,
+    redis_ca: Option<String>,
 }
 
 /// What the command line asked for: run, or print the usage.
@@ -159,6 +166,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
         max_keys: None,
         refund_status: Vec::new(),
         trusted: None,
+        redis_ca: None,
     };
     let mut seen = HashSet::new();
     let mut args = args.peekable();
@@ -225,6 +233,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
             "--burst" => o.burst = Some(parse_number("--burst", &value()?)?),
             "--max-keys" => o.max_keys = Some(parse_number("--max-keys", &value()?)?),
             "--refund-status" => o.refund_status = parse_statuses(&value()?)?,
+            "--redis-ca" => o.redis_ca = Some(value()?),
             "--trusted-proxies" | "--trusted-hops" if o.trusted.is_some() => {
                 return Err("--trusted-proxies and --trusted-hops exclude each other".into())
             }
@@ -250,6 +259,16 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
              to requests while Redis is unreachable?"
                 .into(),
         );
+    }
+    if o.redis_ca.is_some() && !o.store.starts_with("rediss://") {
+        return Err("--redis-ca goes with --store rediss://HOST:PORT".into());
+    }
+    if let Some(path) = &o.redis_ca {
+        // A missing or wrong CA file is a command-line error, before anything starts.
+        let pem = std::fs::read(path).map_err(|e| format!("--redis-ca {path:?}: {e}"))?;
+        if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
+            return Err(format!("--redis-ca {path:?} holds no PEM certificate"));
+        }
     }
     if store != StoreKind::Memory && o.max_keys.is_some() {
         return Err("--max-keys bounds the memory store; it does not apply to Redis".into());
@@ -285,6 +304,8 @@ enum StoreKind {
     Memory,
     Redis(String),
     Cluster(Vec<String>),
+    /// Sentinel URLs and the master's name.
+    Sentinel(Vec<String>, String),
 }
 
 impl StoreKind {
@@ -301,11 +322,25 @@ impl StoreKind {
                 return Err("--store redis-cluster:// needs at least one HOST:PORT".into());
             }
             Ok(StoreKind::Cluster(urls))
+        } else if let Some(rest) = s.strip_prefix("redis-sentinel://") {
+            let (nodes, master) = rest.rsplit_once('/').unwrap_or((rest, ""));
+            let urls: Vec<String> = nodes
+                .split(',')
+                .filter(|n| !n.is_empty())
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            if urls.is_empty() || master.is_empty() {
+                return Err(
+                    "--store redis-sentinel:// needs HOST:PORT[,HOST:PORT...]/MASTER_NAME".into(),
+                );
+            }
+            Ok(StoreKind::Sentinel(urls, master.to_owned()))
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
             Ok(StoreKind::Redis(s.to_owned()))
         } else {
             Err(format!(
-                "--store {:?}: expected memory, redis://HOST:PORT or redis-cluster://HOST:PORT,...",
+                "--store {:?}: expected memory, redis://HOST:PORT, rediss://HOST:PORT, \
+                 redis-cluster://HOST:PORT,... or redis-sentinel://HOST:PORT,.../MASTER",
                 redact(s)
             ))
         }
@@ -332,6 +367,17 @@ fn with_lease<S: fleetlimit::Store, P>(
     }
 }
 
+/// The Redis store's settings: `--redis-ca`.
+fn redis_builder(o: &Options) -> Result<fleetlimit::store::RedisStoreBuilder, String> {
+    let mut builder = RedisStore::builder();
+    if let Some(path) = &o.redis_ca {
+        let pem =
+            std::fs::read(path).map_err(|e| format!("--redis-ca {path:?} cannot be read: {e}"))?;
+        builder = builder.ca_certificate(pem);
+    }
+    Ok(builder)
+}
+
 async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
     let rule = build_rule(o)?;
     let policy = match o.on_store_error.as_deref() {
@@ -345,7 +391,7 @@ async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
             with_lease(Limiter::builder(memory_store(o)?).rule(rule), o.lease).build()
         }
         StoreKind::Redis(url) => with_lease(
-            Limiter::builder(RedisStore::connect(&url).await.map_err(|e| {
+            Limiter::builder(redis_builder(o)?.connect(&url).await.map_err(|e| {
                 // redis-rs errors may quote the URL: never print the password.
                 let message = e.to_string().replace(&url, &redact(&url));
                 format!("cannot connect to {}: {message}", redact(&url))
@@ -356,10 +402,22 @@ async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
         )
         .build(),
         StoreKind::Cluster(urls) => with_lease(
-            Limiter::builder(RedisStore::cluster(&urls).await.map_err(|e| {
+            Limiter::builder(redis_builder(o)?.cluster(&urls).await.map_err(|e| {
                 let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
                 format!("cannot connect to the cluster {shown:?}: {e}")
             })?)
+            .rule(rule)
+            .on_store_error(policy),
+            o.lease,
+        )
+        .build(),
+        StoreKind::Sentinel(urls, master) => with_lease(
+            Limiter::builder(
+                redis_builder(o)?
+                    .sentinel(&urls, &master)
+                    .await
+                    .map_err(|e| format!("cannot use the Sentinels for {master:?}: {e}"))?,
+            )
             .rule(rule)
             .on_store_error(policy),
             o.lease,
@@ -590,6 +648,35 @@ mod tests {
             assert!(parse(&["--trusted-hops", bad]).is_err(), "{bad}");
         }
         assert!(parse(&["--trusted-hops", "1", "--trusted-proxies", "10.0.0.0/8"]).is_err());
+        assert_eq!(
+            StoreKind::parse("redis-sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet"),
+            Ok(StoreKind::Sentinel(
+                vec![
+                    "redis://127.0.0.1:26379".into(),
+                    "redis://127.0.0.1:26380".into()
+                ],
+                "fleet".into()
+            ))
+        );
+        for bad in [
+            "redis-sentinel://127.0.0.1:26379",
+            "redis-sentinel:///fleet",
+        ] {
+            assert!(StoreKind::parse(bad).is_err(), "{bad}");
+        }
+        assert!(
+            parse(&["--redis-ca", "/nonexistent"]).is_err(),
+            "needs rediss"
+        );
+        assert!(parse(&[
+            "--store",
+            "rediss://127.0.0.1:6380",
+            "--on-store-error",
+            "open",
+            "--redis-ca",
+            "/nonexistent"
+        ])
+        .is_err());
         assert!(
             parse(&["--store", "redis://127.0.0.1:6379"]).is_err(),
             "policy required"

@@ -68,7 +68,9 @@ pub use quota::{
     Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, MAX_HEADER_INTEGER, MAX_PERIOD,
 };
 pub use rule::{Rule, MAX_RULE_NAME_LEN};
-pub use store::{MemoryStore, RedisStore, Store};
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
+pub use store::{MemoryStore, Store};
 
 /// The README's code blocks are compiled as doc tests, so its quick start cannot rot.
 #[cfg(doctest)]

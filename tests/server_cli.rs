@@ -165,6 +165,9 @@ fn help_prints_the_usage_on_stdout_and_exits_0() {
             "--refund-status",
             "--trusted-proxies",
             "--trusted-hops",
+            "--redis-ca",
+            "rediss://",
+            "redis-sentinel://",
         ] {
             assert!(usage.contains(documented), "{documented} missing: {usage}");
         }
@@ -379,4 +382,37 @@ fn trusted_proxies_key_anonymous_requests_by_the_reported_client() {
         429,
         "without the flag every client shares the proxy's bucket"
     );
+}
+
+/// Started while its Redis is down (fail closed: 503), the demo enforces on Redis as soon as
+/// Redis is there, with no restart.
+#[test]
+fn starts_while_redis_is_down_and_enforces_once_it_is_up() {
+    let mut redis = support::redis::RedisServer::start();
+    let store = format!("redis://{}", redis.addr());
+    redis.kill();
+    let demo = start(&[
+        "--port",
+        "0",
+        "--store",
+        &store,
+        "--on-store-error",
+        "closed",
+        "--limit",
+        "2",
+        "--period",
+        "1h",
+    ]);
+    assert_eq!(status(&get(demo.1, Some("k"))), 503);
+    redis.restart();
+    let started = std::time::Instant::now();
+    while status(&get(demo.1, Some("k"))) != 200 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never used Redis"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(status(&get(demo.1, Some("k"))), 200);
+    assert_eq!(status(&get(demo.1, Some("k"))), 429, "enforced on Redis");
 }

@@ -96,14 +96,16 @@ pub struct LimiterStats {
 ///
 /// A networked store needs an outage policy; leaving it out does not compile:
 ///
-/// ```compile_fail
+#[cfg_attr(feature = "redis", doc = "```compile_fail")]
+#[cfg_attr(not(feature = "redis"), doc = "```ignore")]
 /// # use fleetlimit::{Limiter, Rule, RedisStore};
 /// fn no_policy(store: RedisStore, rule: Rule) {
 ///     let _ = Limiter::builder(store).rule(rule).build();
 /// }
 /// ```
 ///
-/// ```
+#[cfg_attr(feature = "redis", doc = "```")]
+#[cfg_attr(not(feature = "redis"), doc = "```ignore")]
 /// # use fleetlimit::{Limiter, OnStoreError, Rule, RedisStore};
 /// fn with_policy(store: RedisStore, rule: Rule) {
 ///     let _ = Limiter::builder(store).rule(rule).on_store_error(OnStoreError::FailOpen).build();

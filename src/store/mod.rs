@@ -12,8 +12,10 @@ use std::time::Duration;
 use crate::{Decision, Key, Rule, StoreError, Taken};
 
 pub mod memory;
+#[cfg(feature = "redis")]
 pub mod redis;
 
+#[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};
 pub use memory::MemoryStore;
 
@@ -75,11 +77,12 @@ pub(crate) mod sealed {
     /// and scripts are held together by its tests.
     pub trait Sealed {}
     impl Sealed for super::MemoryStore {}
+    #[cfg(feature = "redis")]
     impl Sealed for super::RedisStore {}
 }
 
-/// Shared rate-limit state: [`MemoryStore`] and [`RedisStore`]. Each call is atomic across its
-/// checks. Sealed: the algorithms' state formats and receipts are the crate's own.
+/// Shared rate-limit state: [`MemoryStore`] and `RedisStore` (feature `redis`). Each call is
+/// atomic across its checks. Sealed: the algorithms' state formats and receipts are the crate's own.
 pub trait Store: sealed::Sealed + Send + Sync + 'static {
     /// Apply `op` to every check as one atomic step, returning one decision per check, in order.
     /// The checks of one call share a failure domain ([`failure_domain`](Store::failure_domain)):

@@ -442,7 +442,13 @@ fn launch(
     let log_for_stderr = log
         .try_clone()
         .map_err(|e| LaunchError::Fatal(format!("cannot duplicate the log file handle: {e}")))?;
+    // A config file (a Sentinel's, which Sentinel rewrites) must come first.
+    let (config, extra_args) = match extra_args.split_first() {
+        Some((first, rest)) if first.ends_with(".conf") => (Some(first), rest),
+        _ => (None, extra_args),
+    };
     let mut child = Command::new("redis-server")
+        .args(config)
         .arg("--port")
         .arg(port.to_string())
         .args(["--bind", HOST])
@@ -635,6 +641,25 @@ impl RedisServer {
             "redis-server failed to start in {START_ATTEMPTS} attempts:\n{}",
             failures.join("\n")
         );
+    }
+
+    /// A Sentinel monitoring the master on `master_port` as `name`, with a quorum of `quorum`
+    /// and quick failure detection (1 s), in its own directory.
+    pub fn start_sentinel(name: &str, master_port: u16, quorum: u8) -> RedisServer {
+        let dir = unique_temp_dir();
+        let _ = reset_dir(&dir);
+        let conf = dir.join("sentinel.conf");
+        let text = format!(
+            "sentinel monitor {name} {HOST} {master_port} {quorum}\n\
+             sentinel down-after-milliseconds {name} 1000\n\
+             sentinel failover-timeout {name} 3000\n\
+             sentinel parallel-syncs {name} 1\n"
+        );
+        if let Err(e) = fs::write(&conf, text) {
+            panic!("cannot write {}: {e}", conf.display());
+        }
+        let conf = conf.to_string_lossy().into_owned();
+        RedisServer::start_with_args(&[&conf, "--sentinel"])
     }
 
     /// The TCP port on `127.0.0.1`.

@@ -106,13 +106,20 @@ enum Conn {
         pool: deadpool_redis::Pool,
         current: Mutex<Option<MultiplexedConnection>>,
     },
+    /// The master Sentinel names: one multiplexed connection to it, found again (through the
+    /// Sentinels) after it fails, so a failover is followed.
+    Sentinel {
+        sentinels: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
+        current: Mutex<Option<MultiplexedConnection>>,
+    },
 }
 
 /// A connection ready for one call.
 enum Ready {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
-    Pooled(MultiplexedConnection),
+    /// Shared until it fails (a pool's, or Sentinel's master's): then forgotten.
+    Shared(MultiplexedConnection),
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -121,6 +128,7 @@ impl std::fmt::Debug for RedisStore {
             Conn::Single { .. } => "standalone",
             Conn::Cluster { .. } => "cluster",
             Conn::Pool { .. } => "pool",
+            Conn::Sentinel { .. } => "sentinel",
         };
         f.debug_struct("RedisStore")
             .field("kind", &kind)
@@ -138,6 +146,8 @@ pub struct RedisStoreBuilder {
     prefix: String,
     connect_timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
+    #[cfg(feature = "tls")]
+    tls: Option<redis::TlsCertificates>,
 }
 
 impl Default for RedisStoreBuilder {
@@ -146,6 +156,8 @@ impl Default for RedisStoreBuilder {
             prefix: DEFAULT_PREFIX.into(),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             clock: None,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -173,7 +185,52 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Trust this certificate authority (PEM) for `rediss://` connections, instead of the
+    /// system's roots (a managed service's or your own CA). A malformed certificate is a
+    /// configuration error when connecting.
+    #[cfg(feature = "tls")]
+    pub fn ca_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.get_or_insert_with(no_certificates).root_cert = Some(pem.into());
+        self
+    }
+
+    /// Present this client certificate and key (PEM) on `rediss://` connections (mutual TLS).
+    #[cfg(feature = "tls")]
+    pub fn client_certificate(
+        mut self,
+        certificate_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls.get_or_insert_with(no_certificates).client_tls = Some(redis::ClientTlsConfig {
+            client_cert: certificate_pem.into(),
+            client_key: key_pem.into(),
+        });
+        self
+    }
+
+    /// A client for `url`, with this builder's TLS settings.
+    fn client(&self, url: &str) -> Result<redis::Client, ConfigError> {
+        let invalid = |e: RedisError| ConfigError::Invalid {
+            setting: "url",
+            reason: e.to_string(),
+        };
+        #[cfg(feature = "tls")]
+        if let Some(certificates) = &self.tls {
+            install_crypto();
+            return redis::Client::build_with_tls(url, certificates.clone()).map_err(invalid);
+        }
+        #[cfg(feature = "tls")]
+        if url.starts_with("rediss://") {
+            install_crypto();
+        }
+        redis::Client::open(url).map_err(invalid)
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        #[cfg(feature = "tls")]
+        if let Some(certificates) = &self.tls {
+            check_certificates(certificates)?;
+        }
         if self.prefix.contains(['{', '}']) {
             return Err(ConfigError::Invalid {
                 setting: "prefix",
@@ -207,10 +264,7 @@ impl RedisStoreBuilder {
     /// policy decides).
     pub async fn connect(self, url: &str) -> Result<RedisStore, Error> {
         self.validate()?;
-        let client = redis::Client::open(url).map_err(|e| ConfigError::Invalid {
-            setting: "url",
-            reason: e.to_string(),
-        })?;
+        let client = self.client(url)?;
         let store = self.finish(Conn::Single {
             client,
             manager: OnceCell::new(),
@@ -224,17 +278,57 @@ impl RedisStoreBuilder {
     pub async fn cluster<U: AsRef<str>>(self, urls: &[U]) -> Result<RedisStore, Error> {
         self.validate()?;
         let nodes: Vec<&str> = urls.iter().map(AsRef::as_ref).collect();
-        let client = redis::cluster::ClusterClient::builder(nodes)
+        #[cfg(feature = "tls")]
+        if nodes.iter().any(|n| n.starts_with("rediss://")) || self.tls.is_some() {
+            install_crypto();
+        }
+        #[allow(unused_mut)]
+        let mut builder = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(self.connect_timeout)
-            .retries(1)
-            .build()
-            .map_err(|e| ConfigError::Invalid {
-                setting: "urls",
-                reason: e.to_string(),
-            })?;
+            .retries(1);
+        #[cfg(feature = "tls")]
+        if let Some(certificates) = &self.tls {
+            builder = builder.certs(certificates.clone());
+        }
+        let client = builder.build().map_err(|e| ConfigError::Invalid {
+            setting: "urls",
+            reason: e.to_string(),
+        })?;
         let store = self.finish(Conn::Cluster {
             client: Box::new(client),
             conn: OnceCell::new(),
+        });
+        store.try_first_connection().await?;
+        Ok(store)
+    }
+
+    /// Find the master through Redis Sentinel: `sentinels` are Sentinel URLs
+    /// (`redis://host:26379`), `master` the name they monitor. The store follows a failover: when
+    /// the master's connection fails (or it turned replica), the Sentinels are asked again. As
+    /// [`connect`](Self::connect), unreachable Sentinels are not an error.
+    pub async fn sentinel<U: AsRef<str>>(
+        self,
+        sentinels: &[U],
+        master: &str,
+    ) -> Result<RedisStore, Error> {
+        self.validate()?;
+        let urls: Vec<&str> = sentinels.iter().map(AsRef::as_ref).collect();
+        // redis-rs takes the name as a `String` without TLS and as `impl AsRef<str>` with it.
+        #[cfg(not(feature = "tls"))]
+        let master = master.to_owned();
+        let client = redis::sentinel::SentinelClient::build(
+            urls,
+            master,
+            None,
+            redis::sentinel::SentinelServerType::Master,
+        )
+        .map_err(|e| ConfigError::Invalid {
+            setting: "sentinels",
+            reason: e.to_string(),
+        })?;
+        let store = self.finish(Conn::Sentinel {
+            sentinels: tokio::sync::Mutex::new(client),
+            current: Mutex::new(None),
         });
         store.try_first_connection().await?;
         Ok(store)
@@ -272,6 +366,51 @@ impl RedisStore {
                 Ok(())
             }
         }
+    }
+}
+
+/// TLS with rustls needs a process-wide crypto provider: ring, unless the application installed
+/// one already.
+#[cfg(feature = "tls")]
+fn install_crypto() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Certificates and keys must be PEM that parses: a wrong TLS setting is a configuration error
+/// when the store is built, not a failure on every call.
+#[cfg(feature = "tls")]
+fn check_certificates(certificates: &redis::TlsCertificates) -> Result<(), ConfigError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let invalid = |what: &str| ConfigError::Invalid {
+        setting: "tls",
+        reason: format!("{what} is not valid PEM"),
+    };
+    let certs = |pem: &[u8]| {
+        let parsed: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
+        parsed.is_ok_and(|c| !c.is_empty())
+    };
+    if let Some(root) = &certificates.root_cert {
+        if !certs(root) {
+            return Err(invalid("the CA certificate"));
+        }
+    }
+    if let Some(client) = &certificates.client_tls {
+        if !certs(&client.client_cert) {
+            return Err(invalid("the client certificate"));
+        }
+        if PrivateKeyDer::from_pem_slice(&client.client_key).is_err() {
+            return Err(invalid("the client key"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "tls")]
+fn no_certificates() -> redis::TlsCertificates {
+    redis::TlsCertificates {
+        client_tls: None,
+        root_cert: None,
     }
 }
 
@@ -487,13 +626,17 @@ impl Inner {
         let result = match self.connection().await? {
             Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
             Ready::Cluster(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
-            Ready::Pooled(mut conn) => {
+            Ready::Shared(mut conn) => {
                 // A call abandoned mid-way (its decision's deadline passed) leaves a connection
-                // that may have stopped answering: the next call takes a fresh one.
+                // that may have stopped answering: the next call takes a fresh one. So does one
+                // to a master that turned replica (a failover).
                 let mut guard = DiscardOnDrop(Some(&self.conn));
                 let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
                 let broken = result.as_ref().is_err_and(|e| {
-                    e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
+                    e.is_io_error()
+                        || e.is_connection_dropped()
+                        || e.is_unrecoverable_error()
+                        || e.code() == Some("READONLY")
                 });
                 if !broken {
                     guard.0 = None;
@@ -546,7 +689,7 @@ impl Inner {
             }
             Conn::Pool { pool, current } => {
                 if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-                    return Ok(Ready::Pooled(conn));
+                    return Ok(Ready::Shared(conn));
                 }
                 let fresh = tokio::time::timeout(limit, pool.get())
                     .await
@@ -554,7 +697,30 @@ impl Inner {
                     .map_err(|e| StoreError::Connection(e.to_string()))?;
                 let conn = deadpool_redis::Connection::take(fresh);
                 *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
-                Ok(Ready::Pooled(conn))
+                Ok(Ready::Shared(conn))
+            }
+            Conn::Sentinel { sentinels, current } => {
+                if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                    return Ok(Ready::Shared(conn));
+                }
+                let conn = tokio::time::timeout(limit, async {
+                    // One caller asks the Sentinels at a time; the others find its answer.
+                    let mut sentinels = sentinels.lock().await;
+                    if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                        return Ok(conn);
+                    }
+                    let master = sentinels.async_get_client().await.map_err(store_error)?;
+                    let mut conn = master
+                        .get_multiplexed_async_connection()
+                        .await
+                        .map_err(store_error)?;
+                    check_version(&mut conn).await?;
+                    *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
+                    Ok::<_, StoreError>(conn)
+                })
+                .await
+                .map_err(within)??;
+                Ok(Ready::Shared(conn))
             }
         }
     }
@@ -565,7 +731,7 @@ struct DiscardOnDrop<'a>(Option<&'a Conn>);
 
 impl Drop for DiscardOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(Conn::Pool { current, .. }) = self.0 {
+        if let Some(Conn::Pool { current, .. } | Conn::Sentinel { current, .. }) = self.0 {
             *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
     }

@@ -1,0 +1,289 @@
+//! Redis as it is deployed: TLS (with a CA the test makes, and mutual TLS) and Sentinel
+//! failover under load, against real `redis-server` processes the harness starts.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use fleetlimit::store::{Check, Op, RedisStore, Store};
+use fleetlimit::{Algorithm, Key, Limiter, OnStoreError, Quota, Rule, Source};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+use support::redis::RedisServer;
+
+fn rule(limit: u64) -> Rule {
+    Rule::new(
+        "deployed",
+        Quota::per_hour(limit)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+/// PEM files of a CA, a server certificate for 127.0.0.1 and a client certificate it signed.
+struct Pki {
+    ca: String,
+    server_cert: String,
+    server_key: String,
+    client_cert: String,
+    client_key: String,
+}
+
+fn pki() -> Pki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "fleetlimit test CA");
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::from_params(&ca_params, &ca_key);
+    let server_key = KeyPair::generate().unwrap();
+    let mut server = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    server
+        .subject_alt_names
+        .push(SanType::IpAddress([127, 0, 0, 1].into()));
+    server
+        .distinguished_name
+        .push(DnType::CommonName, "127.0.0.1");
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let server_cert = server.signed_by(&server_key, &issuer).unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let mut client = CertificateParams::new(vec!["client".to_owned()]).unwrap();
+    client.distinguished_name.push(DnType::CommonName, "client");
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_cert = client.signed_by(&client_key, &issuer).unwrap();
+    Pki {
+        ca: ca.pem(),
+        server_cert: server_cert.pem(),
+        server_key: server_key.serialize_pem(),
+        client_cert: client_cert.pem(),
+        client_key: client_key.serialize_pem(),
+    }
+}
+
+/// A server with a TLS port besides its plain one (the harness probes the plain one).
+fn tls_server(pki: &Pki, auth_clients: &str) -> (RedisServer, u16) {
+    let dir = std::env::temp_dir().join(format!(
+        "fleetlimit-pki-{}-{auth_clients}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let (ca, cert, key) = (
+        write("ca.pem", &pki.ca),
+        write("server.pem", &pki.server_cert),
+        write("server.key", &pki.server_key),
+    );
+    let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let server = RedisServer::start_with_args(&[
+        "--tls-port",
+        &tls_port,
+        "--tls-cert-file",
+        &cert,
+        "--tls-key-file",
+        &key,
+        "--tls-ca-cert-file",
+        &ca,
+        "--tls-auth-clients",
+        auth_clients,
+    ]);
+    (server, tls_port.parse().unwrap())
+}
+
+async fn consume(store: &RedisStore, key: &str) -> Result<bool, fleetlimit::StoreError> {
+    let r = rule(10);
+    let k = Key::new(key);
+    let d = store
+        .apply(
+            Op::Consume,
+            &[Check {
+                rule: &r,
+                key: &k,
+                cost: 1,
+            }],
+        )
+        .await?;
+    Ok(d[0].allowed)
+}
+
+#[tokio::test]
+async fn rediss_with_our_ca_and_mutual_tls() {
+    let pki = pki();
+    let (server, port) = tls_server(&pki, "optional");
+    let url = format!("rediss://127.0.0.1:{port}");
+    let store = RedisStore::builder()
+        .ca_certificate(pki.ca.clone())
+        .connect(&url)
+        .await
+        .unwrap();
+    assert!(consume(&store, "tls").await.unwrap());
+    // What TLS costs per decision, beside the plain port of the same server (printed, not
+    // asserted: timings are the machine's).
+    let plain = RedisStore::connect(&server.url()).await.unwrap();
+    let mut timings = Vec::new();
+    for (name, s) in [("plain", &plain), ("tls", &store)] {
+        let started = Instant::now();
+        for i in 0..500 {
+            let _ = consume(s, &format!("cost-{i}")).await.unwrap();
+        }
+        timings.push((name, started.elapsed() / 500));
+    }
+    eprintln!("decision round trip, same server: {timings:?}");
+    // The count is on the server (read over the plain port).
+    let key = store.key_for(&rule(10), &Key::new("tls"));
+    assert_eq!(
+        server.cmd_bytes(&[b"HGET", &key, b"c"]).unwrap().as_int(),
+        Some(1)
+    );
+    // Without our CA the server's certificate is not trusted: no decision.
+    let untrusting = RedisStore::builder().connect(&url).await.unwrap();
+    assert!(consume(&untrusting, "tls").await.is_err());
+    // A CA that is no certificate is a configuration error, at once.
+    assert!(matches!(
+        RedisStore::builder()
+            .ca_certificate("not a certificate")
+            .connect(&url)
+            .await,
+        Err(fleetlimit::Error::Config(_))
+    ));
+
+    // Mutual TLS: the server requires a client certificate.
+    let (_mtls, port) = tls_server(&pki, "yes");
+    let url = format!("rediss://127.0.0.1:{port}");
+    let anonymous = RedisStore::builder()
+        .ca_certificate(pki.ca.clone())
+        .connect(&url)
+        .await
+        .unwrap();
+    assert!(consume(&anonymous, "m").await.is_err());
+    let known = RedisStore::builder()
+        .ca_certificate(pki.ca.clone())
+        .client_certificate(pki.client_cert.clone(), pki.client_key.clone())
+        .connect(&url)
+        .await
+        .unwrap();
+    assert!(consume(&known, "m").await.unwrap());
+}
+
+/// A master, a replica and three Sentinels. Under load, the master is killed: decisions follow
+/// the policy until the replica is promoted, then come from it, with no restart. Prints the
+/// recovery time and the counts lost to asynchronous replication.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_under_load() {
+    let mut master = RedisServer::start();
+    let replica =
+        RedisServer::start_with_args(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
+    let sentinels: Vec<RedisServer> = (0..3)
+        .map(|_| RedisServer::start_sentinel("fleet", master.port(), 2))
+        .collect();
+    // Wait until the replica is in sync and every Sentinel knows it.
+    let started = Instant::now();
+    loop {
+        let synced = replica
+            .info("replication")
+            .is_ok_and(|i| i.contains("master_link_status:up"));
+        let known = sentinels.iter().all(|s| {
+            s.cmd(&["SENTINEL", "REPLICAS", "fleet"])
+                .ok()
+                .and_then(|r| r.as_array().map(|a| !a.is_empty()))
+                .unwrap_or(false)
+        });
+        if synced && known {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the topology never settled"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let urls: Vec<String> = sentinels.iter().map(|s| s.url()).collect();
+    let store = RedisStore::builder()
+        .sentinel(&urls, "fleet")
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(1_000_000))
+        .on_store_error(OnStoreError::fail_closed())
+        .deny_cache(0)
+        .build()
+        .unwrap();
+    let key = Key::new("failover");
+    let mut acknowledged = 0u64;
+    let run = |limiter: Limiter, until: Instant| {
+        let key = key.clone();
+        async move {
+            let mut samples = Vec::new();
+            while Instant::now() < until {
+                let asked = Instant::now();
+                let d = limiter.consume(&key, 1).await.unwrap();
+                samples.push((asked, asked.elapsed(), d));
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            samples
+        }
+    };
+    let before = run(limiter.clone(), Instant::now() + Duration::from_millis(500)).await;
+    acknowledged += before
+        .iter()
+        .filter(|(_, _, d)| d.source == Source::Store)
+        .count() as u64;
+    assert!(acknowledged > 20, "{acknowledged}");
+    let killed = Instant::now();
+    master.kill();
+    // Until decisions come from Redis again, then a little more.
+    let mut after = Vec::new();
+    let recovered = loop {
+        let batch = run(limiter.clone(), Instant::now() + Duration::from_millis(200)).await;
+        let back = batch
+            .iter()
+            .find(|(_, _, d)| d.source == Source::Store)
+            .map(|(at, _, _)| *at);
+        after.extend(batch);
+        if let Some(at) = back {
+            break at.duration_since(killed);
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "never recovered"
+        );
+    };
+    after.extend(run(limiter.clone(), Instant::now() + Duration::from_millis(300)).await);
+    let deadline = fleetlimit::DEFAULT_DEADLINE + Duration::from_millis(100);
+    for (_, waited, d) in &after {
+        assert!(*waited <= deadline, "a decision waited {waited:?}");
+        assert!(
+            d.source == Source::Store || (d.degraded && !d.allowed),
+            "{d:?}"
+        );
+    }
+    acknowledged += after
+        .iter()
+        .filter(|(_, _, d)| d.source == Source::Store)
+        .count() as u64;
+    let counted = 1_000_000 - limiter.peek(&key).await.unwrap().remaining;
+    let lost = acknowledged.saturating_sub(counted);
+    eprintln!(
+        "sentinel failover: recovered after {recovered:?}; {acknowledged} admissions acknowledged, {counted} counted by the new master, {lost} lost to asynchronous replication"
+    );
+    assert!(recovered < Duration::from_secs(15), "{recovered:?}");
+    assert!(
+        counted <= acknowledged,
+        "the new master counts what was admitted, at most"
+    );
+}
