@@ -13,7 +13,7 @@
 //! the count never passes the larger. A new period carries the used count into the new aligned
 //! window if the old window is still open (never fewer counted than before), else starts afresh.
 
-use super::{never, us};
+use super::{never, receipt, us};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -69,17 +69,10 @@ impl FixedWindow {
         self.taken(now, cost)
     }
 
-    /// A receipt for `cost` permits counted at `now` (in the current window), stamping a fresh
-    /// state's `valid_from`.
+    /// A receipt for `cost` permits counted at `now`, in the current window.
     pub(crate) fn taken(&mut self, now: u64, cost: u64) -> Taken {
-        if self.valid_from == 0 && cost > 0 {
-            self.valid_from = now;
-        }
-        Taken {
-            at: now.max(self.start),
-            cost,
-            algorithm: Algorithm::FixedWindow,
-        }
+        let at = now.max(self.start);
+        receipt(&mut self.valid_from, at, cost, Algorithm::FixedWindow)
     }
 
     pub(crate) fn refund(&mut self, taken: Taken) {

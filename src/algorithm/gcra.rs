@@ -16,7 +16,7 @@
 //! even past the new burst, so the other quota reading it back sees the same debt), so two
 //! quotas writing one key never admit more than the larger burst.
 
-use super::{never, rescale_ceil, us};
+use super::{never, receipt, rescale_ceil, us};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -61,16 +61,9 @@ impl Gcra {
         self.taken(now, cost)
     }
 
-    /// A receipt for `cost` permits taken at `now`, stamping a fresh state's `valid_from`.
+    /// A receipt for `cost` permits taken at `now`.
     pub(crate) fn taken(&mut self, now: u64, cost: u64) -> Taken {
-        if self.valid_from == 0 && cost > 0 {
-            self.valid_from = now;
-        }
-        Taken {
-            at: now,
-            cost,
-            algorithm: Algorithm::Gcra,
-        }
+        receipt(&mut self.valid_from, now, cost, Algorithm::Gcra)
     }
 
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {

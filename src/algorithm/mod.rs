@@ -138,6 +138,20 @@ pub(crate) fn div_ceil(a: u64, b: u64) -> u64 {
     a.div_ceil(b)
 }
 
+/// A receipt for `cost` permits taken `at`, by `algorithm`. The first permits a fresh state takes
+/// stamp its `valid_from`: receipts from before it (an evicted or expired predecessor's) refund
+/// nothing.
+pub(crate) fn receipt(valid_from: &mut u64, at: u64, cost: u64, algorithm: Algorithm) -> Taken {
+    if *valid_from == 0 && cost > 0 {
+        *valid_from = at;
+    }
+    Taken {
+        at,
+        cost,
+        algorithm,
+    }
+}
+
 /// The most a converted quantity may hold: 2^52 still adds to a timestamp exactly in a double.
 pub(crate) const RESCALE_CAP: u64 = 1 << 52;
 

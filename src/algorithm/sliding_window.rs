@@ -19,7 +19,7 @@
 //! into the current window of the new alignment: conservative (it may refuse a little longer than
 //! either quota would), never more permissive.
 
-use super::{never, us};
+use super::{never, receipt, us};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -131,17 +131,10 @@ impl SlidingWindow {
         self.taken(now, cost)
     }
 
-    /// A receipt for `cost` permits counted at `now` (in the current window), stamping a fresh
-    /// state's `valid_from`.
+    /// A receipt for `cost` permits counted at `now`, in the current window.
     pub(crate) fn taken(&mut self, now: u64, cost: u64) -> Taken {
-        if self.valid_from == 0 && cost > 0 {
-            self.valid_from = now;
-        }
-        Taken {
-            at: now.max(self.start),
-            cost,
-            algorithm: Algorithm::SlidingWindow,
-        }
+        let at = now.max(self.start);
+        receipt(&mut self.valid_from, at, cost, Algorithm::SlidingWindow)
     }
 
     pub(crate) fn refund(&mut self, taken: Taken) {

@@ -19,7 +19,7 @@
 //! quotas writing one key never hold more than the larger burst, and refill at most at the
 //! faster rate.
 
-use super::{div_ceil, never, rescale_ceil, us};
+use super::{div_ceil, never, receipt, rescale_ceil, us};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,17 +98,9 @@ impl TokenBucket {
         self.taken(cost)
     }
 
-    /// A receipt for `cost` tokens debited now (at `last`), stamping a fresh state's
-    /// `valid_from`.
+    /// A receipt for `cost` tokens debited now (at `last`).
     pub(crate) fn taken(&mut self, cost: u64) -> Taken {
-        if self.valid_from == 0 && cost > 0 {
-            self.valid_from = self.last;
-        }
-        Taken {
-            at: self.last,
-            cost,
-            algorithm: Algorithm::TokenBucket,
-        }
+        receipt(&mut self.valid_from, self.last, cost, Algorithm::TokenBucket)
     }
 
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {

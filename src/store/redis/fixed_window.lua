@@ -37,8 +37,9 @@ function fixed_window.decide(st, now, q, cost)
 end
 
 function fixed_window.taken(st, now, cost)
-  if st.valid_from == 0 and cost > 0 then st.valid_from = now end
-  return math.max(now, st.start)
+  local at = math.max(now, st.start)
+  if st.valid_from == 0 and cost > 0 then st.valid_from = at end
+  return at
 end
 
 function fixed_window.commit(st, now, q, cost)
