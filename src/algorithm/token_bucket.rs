@@ -100,7 +100,12 @@ impl TokenBucket {
 
     /// A receipt for `cost` tokens debited now (at `last`).
     pub(crate) fn taken(&mut self, cost: u64) -> Taken {
-        receipt(&mut self.valid_from, self.last, cost, Algorithm::TokenBucket)
+        receipt(
+            &mut self.valid_from,
+            self.last,
+            cost,
+            Algorithm::TokenBucket,
+        )
     }
 
     pub(crate) fn refund(&mut self, now: u64, quota: &Quota, taken: Taken) {
