@@ -968,15 +968,21 @@ impl RedisCluster {
     /// [`RedisCluster::start`] with another `--cluster-node-timeout` (milliseconds): how long
     /// a silent master takes to be flagged as failing.
     pub fn start_with_node_timeout(node_timeout_ms: u64) -> RedisCluster {
+        RedisCluster::start_with_replicas(0, node_timeout_ms)
+    }
+
+    /// Three masters with `replicas` replicas each (`redis-cli --cluster create
+    /// --cluster-replicas`), nodes timing out after `node_timeout_ms`.
+    pub fn start_with_replicas(replicas: usize, node_timeout_ms: u64) -> RedisCluster {
         require_redis();
         let mut failures = Vec::new();
         for attempt in 1..=CLUSTER_START_ATTEMPTS {
-            let nodes = (0..CLUSTER_SIZE)
+            let nodes = (0..CLUSTER_SIZE * (1 + replicas))
                 .map(|_| RedisServer::start_cluster_node(node_timeout_ms))
                 .collect();
             let cluster = RedisCluster { nodes };
             match cluster
-                .create()
+                .create(replicas)
                 .and_then(|()| cluster.wait_until_healthy(CLUSTER_READY_TIMEOUT))
             {
                 Ok(()) => return cluster,
@@ -991,7 +997,7 @@ impl RedisCluster {
     }
 
     /// Runs `redis-cli --cluster create` over the nodes (no stdin, bounded time).
-    fn create(&self) -> Result<(), String> {
+    fn create(&self, replicas: usize) -> Result<(), String> {
         let first = self.nodes.first().ok_or("a cluster needs nodes")?;
         let log_path = first.dir().join("cluster-create.log");
         let log = File::create(&log_path)
@@ -1002,7 +1008,7 @@ impl RedisCluster {
         let mut child = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(self.addrs())
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log_for_stderr))
@@ -1192,6 +1198,99 @@ impl RedisCluster {
     /// # Panics
     ///
     /// If `i` is not a node index.
+    /// Runs `redis-cli ARGS...` to completion, bounded in time.
+    fn cli(&self, args: &[&str]) -> Result<(), String> {
+        let mut child = Command::new("redis-cli")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .die_with_parent()
+            .spawn()
+            .map_err(|e| format!("cannot spawn redis-cli: {e}"))?;
+        let deadline = Instant::now() + CLUSTER_CREATE_TIMEOUT;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) if status.success() => return Ok(()),
+                Ok(Some(status)) => return Err(format!("redis-cli {args:?}: {status}")),
+                Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(20)),
+                Ok(None) => {
+                    kill_and_reap(&mut child);
+                    return Err(format!("redis-cli {args:?} took too long"));
+                }
+                Err(e) => return Err(format!("cannot poll redis-cli: {e}")),
+            }
+        }
+    }
+
+    /// Starts a new, empty master and joins it to the cluster (`--cluster add-node`); returns
+    /// its index. It owns no slot until a [`rebalance`](RedisCluster::rebalance).
+    pub fn add_master(&mut self, node_timeout_ms: u64) -> Result<usize, String> {
+        let node = RedisServer::start_cluster_node(node_timeout_ms);
+        let existing = self.nodes[0].addr();
+        self.cli(&["--cluster", "add-node", &node.addr(), &existing])?;
+        self.nodes.push(node);
+        // Wait until the new node knows the cluster.
+        let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
+        while Instant::now() < deadline {
+            let ok = self.nodes.last().is_some_and(|n| {
+                n.cmd(&["CLUSTER", "INFO"])
+                    .ok()
+                    .and_then(|r| r.as_str().map(|i| i.contains("cluster_state:ok")))
+                    .unwrap_or(false)
+            });
+            if ok {
+                return Ok(self.nodes.len() - 1);
+            }
+            thread::sleep(CLUSTER_POLL_INTERVAL);
+        }
+        Err("the new master never joined".to_owned())
+    }
+
+    /// Spreads slots evenly over every master, the empty ones included (`--cluster rebalance
+    /// --cluster-use-empty-masters`).
+    pub fn rebalance(&self) -> Result<(), String> {
+        let entry = self.nodes[0].addr();
+        self.cli(&[
+            "--cluster",
+            "rebalance",
+            &entry,
+            "--cluster-use-empty-masters",
+            "--cluster-pipeline",
+            "10",
+        ])
+    }
+
+    /// Moves `slots` hash slots from node `from` to node `to` with `redis-cli --cluster reshard`
+    /// (the slots migrate key by key, with ASK redirections meanwhile). Blocks until done,
+    /// bounded in time.
+    pub fn reshard(&self, from: usize, to: usize, slots: u32) -> Result<(), String> {
+        let id = |i: usize| -> Result<String, String> {
+            let node = self.nodes.get(i).ok_or("no such node")?;
+            node.cmd(&["CLUSTER", "MYID"])?
+                .as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| "no node id".to_owned())
+        };
+        let (from_id, to_id) = (id(from)?, id(to)?);
+        let entry = self.nodes[from].addr();
+        let slots = slots.to_string();
+        self.cli(&[
+            "--cluster",
+            "reshard",
+            &entry,
+            "--cluster-from",
+            &from_id,
+            "--cluster-to",
+            &to_id,
+            "--cluster-slots",
+            &slots,
+            "--cluster-yes",
+            "--cluster-pipeline",
+            "10",
+        ])
+    }
+
     pub fn kill_node(&mut self, i: usize) {
         let count = self.nodes.len();
         match self.nodes.get_mut(i) {

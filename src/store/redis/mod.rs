@@ -96,9 +96,12 @@ enum Conn {
         client: redis::Client,
         manager: OnceCell<ConnectionManager>,
     },
+    /// A cluster connection, made again (with a fresh slot map) after it fails: a master that
+    /// failed over lives at another address, which a new connection learns.
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
-        conn: OnceCell<ClusterConnection>,
+        current: Mutex<Option<ClusterConnection>>,
+        connecting: tokio::sync::Mutex<()>,
     },
     /// A user's pool: one connection is taken out and shared (multiplexed) until it fails, so
     /// the hot path never pays a checkout.
@@ -282,10 +285,15 @@ impl RedisStoreBuilder {
         if nodes.iter().any(|n| n.starts_with("rediss://")) || self.tls.is_some() {
             install_crypto();
         }
+        // Redirections (MOVED, ASK) and TRYAGAIN during a migration are retried at once or after
+        // a few milliseconds, within the decision's deadline (the default waits start at 1.28 s).
         #[allow(unused_mut)]
         let mut builder = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(self.connect_timeout)
-            .retries(1);
+            .retries(2)
+            .min_retry_wait(1)
+            .max_retry_wait(10)
+            .retry_wait_formula(2, 2);
         #[cfg(feature = "tls")]
         if let Some(certificates) = &self.tls {
             builder = builder.certs(certificates.clone());
@@ -296,7 +304,8 @@ impl RedisStoreBuilder {
         })?;
         let store = self.finish(Conn::Cluster {
             client: Box::new(client),
-            conn: OnceCell::new(),
+            current: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
         });
         store.try_first_connection().await?;
         Ok(store)
@@ -418,12 +427,16 @@ fn no_certificates() -> redis::TlsCertificates {
 const TOO_OLD: &str = "the server runs Redis";
 
 /// Refuse a server older than [`MIN_REDIS_VERSION`], with a clear error.
+/// A server that cannot answer `INFO` (a cluster node down) is not refused for that: only a
+/// version read and found too old is.
 async fn check_version(conn: &mut impl redis::aio::ConnectionLike) -> Result<(), StoreError> {
-    let info: redis::Value = redis::cmd("INFO")
+    let Ok(info) = redis::cmd("INFO")
         .arg("server")
-        .query_async(conn)
+        .query_async::<redis::Value>(conn)
         .await
-        .map_err(store_error)?;
+    else {
+        return Ok(());
+    };
     // A cluster answers one text per node: every node must be recent enough.
     let mut texts = Vec::new();
     collect_texts(&info, &mut texts);
@@ -625,7 +638,33 @@ impl Inner {
         }
         let result = match self.connection().await? {
             Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
-            Ready::Cluster(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
+            Ready::Cluster(mut conn) => {
+                let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
+                // A node that stopped answering (a master killed before its replica took over):
+                // the next call connects again and learns the new slot map.
+                if result.as_ref().is_err_and(|e| {
+                    e.is_io_error()
+                        || e.is_connection_dropped()
+                        || e.is_connection_refusal()
+                        || e.is_unrecoverable_error()
+                        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
+                }) {
+                    if let Conn::Cluster { current, .. } = &self.conn {
+                        if current
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .take()
+                            .is_some()
+                        {
+                            tracing::info!(
+                                error = %result.as_ref().err().map_or(String::new(), |e| e.to_string()),
+                                "fleetlimit: a cluster node stopped answering; reconnecting to learn the slot map again"
+                            );
+                        }
+                    }
+                }
+                result
+            }
             Ready::Shared(mut conn) => {
                 // A call abandoned mid-way (its decision's deadline passed) leaves a connection
                 // that may have stopped answering: the next call takes a fresh one. So does one
@@ -674,18 +713,28 @@ impl Inner {
                 .map_err(within)??;
                 Ok(Ready::Single(manager.clone()))
             }
-            Conn::Cluster { client, conn } => {
-                let conn = tokio::time::timeout(
-                    limit,
-                    conn.get_or_try_init(|| async {
-                        let conn = client.get_async_connection().await.map_err(store_error)?;
-                        check_version(&mut conn.clone()).await?;
-                        Ok::<_, StoreError>(conn)
-                    }),
-                )
+            Conn::Cluster {
+                client,
+                current,
+                connecting,
+            } => {
+                if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                    return Ok(Ready::Cluster(conn));
+                }
+                let conn = tokio::time::timeout(limit, async {
+                    // One caller connects at a time; the others find its connection.
+                    let _one = connecting.lock().await;
+                    if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                        return Ok(conn);
+                    }
+                    let conn = client.get_async_connection().await.map_err(store_error)?;
+                    check_version(&mut conn.clone()).await?;
+                    *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
+                    Ok::<_, StoreError>(conn)
+                })
                 .await
                 .map_err(within)??;
-                Ok(Ready::Cluster(conn.clone()))
+                Ok(Ready::Cluster(conn))
             }
             Conn::Pool { pool, current } => {
                 if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
