@@ -867,3 +867,84 @@ async fn a_lost_script_is_loaded_again() {
     );
     assert!(!store.apply(Op::Consume, &check).await.unwrap()[0].allowed);
 }
+
+/// A client that lost its connection mid-call cannot know whether the call ran, and redis-rs's
+/// cluster client sends it again. A refund sent twice must give back once, on every algorithm.
+#[tokio::test]
+async fn a_refund_sent_twice_gives_back_once() {
+    let server = RedisServer::start();
+    // Time stands still, so a refund gives back the whole permit on every algorithm.
+    let store = test_store()
+        .clock(ManualClock::new(1_735_689_600_000_000))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let hour = Duration::from_secs(3600);
+    let k = Key::new("resent");
+    for (name, algorithm, burst) in [
+        ("fw", Algorithm::FixedWindow, None),
+        ("sl", Algorithm::SlidingLog, None),
+        ("sw", Algorithm::SlidingWindow, None),
+        ("tb", Algorithm::TokenBucket, Some(3)),
+        ("gc", Algorithm::Gcra, Some(3)),
+    ] {
+        let r = rule(name, algorithm, 3, hour, burst);
+        let consume = || async {
+            store
+                .apply(
+                    Op::Consume,
+                    &[Check {
+                        rule: &r,
+                        key: &k,
+                        cost: 1,
+                    }],
+                )
+                .await
+                .unwrap()[0]
+        };
+        let mut receipts = Vec::new();
+        for _ in 0..3 {
+            receipts.push(consume().await.taken().unwrap());
+        }
+        assert!(!consume().await.allowed, "{name}: the limit is 3");
+
+        let refund = Refund {
+            rule: &r,
+            key: &k,
+            taken: receipts[0],
+        };
+        let (keys, args) = store.refund_script_call(&refund, "00000000000000ff");
+        let script = RedisStore::script();
+        let numkeys = keys.len().to_string();
+        let mut command: Vec<&[u8]> = vec![b"EVAL", script.as_bytes(), numkeys.as_bytes()];
+        command.extend(keys.iter().map(Vec::as_slice));
+        command.extend(args.iter().map(String::as_bytes));
+        let first = server.cmd_bytes(&command).unwrap();
+        let second = server.cmd_bytes(&command).unwrap();
+        assert!(
+            matches!(first, RespValue::Array(Some(_))),
+            "{name}: {first:?}"
+        );
+        assert_eq!(
+            first, second,
+            "{name}: the resend answers as the first send"
+        );
+        let ttl = pttl(&server, &keys[1]);
+        assert!(ttl > 0 && ttl <= 10_000, "{name}: once key TTL {ttl} ms");
+
+        // One permit came back, not two.
+        assert!(consume().await.allowed, "{name}: the refund gave one back");
+        assert!(!consume().await.allowed, "{name}: the resend gave nothing");
+
+        // A refund through the store draws its own token: it still gives back.
+        store
+            .refund(&[Refund {
+                rule: &r,
+                key: &k,
+                taken: receipts[1],
+            }])
+            .await
+            .unwrap();
+        assert!(consume().await.allowed, "{name}: a second receipt refunds");
+    }
+}

@@ -8,14 +8,32 @@
 --   token units, refill units, cost, and for 'refund' the receipt's anchor (µs; else '').
 -- For 'lease' (one check; its cost is the most permits wanted), the argument after the checks
 -- is the longest validity (µs).
+-- For 'refund', the last key (after the checks' keys, in their slot) is the call's once key: a
+-- refund sent again (a client resends a call after its connection broke, not knowing whether it
+-- ran) answers what the first answered and gives nothing back twice.
 -- Returns 6 integers per check: allowed (1/0), limit, remaining, reset after (µs), retry after
 -- (µs, -1 when none), and where the permits were taken (the receipt's anchor, -1 when nothing
 -- was taken); for 'lease', then the permits granted, until when they are valid, for how long
 -- from now, and the block's anchor.
 local ALGORITHMS = { fixed_window, sliding_log, sliding_window, token_bucket, gcra }
 local PER_CHECK = 9
+-- Longer than any resend can come after the first send (retries are immediate or follow a
+-- reconnection, both well within a decision's deadline).
+local ONCE_TTL_MS = 10000
 
 local op = ARGV[1]
+local nchecks = #KEYS
+local once = nil
+if op == 'refund' then
+  nchecks = nchecks - 1
+  once = KEYS[#KEYS]
+  local answered = redis.call('GET', once)
+  if answered then
+    local replay = {}
+    for v in string.gmatch(answered, '[^,]+') do replay[#replay + 1] = tonumber(v) end
+    return replay
+  end
+end
 local now = tonumber(ARGV[2])
 if now == nil then
   local t = redis.call('TIME')
@@ -25,7 +43,7 @@ end
 local checks = {}
 -- Checks on one key (refunds of several receipts) share one state.
 local states = {}
-for i = 1, #KEYS do
+for i = 1, nchecks do
   local a = 3 + PER_CHECK * (i - 1)
   local q = {
     limit = tonumber(ARGV[a + 1]), period = tonumber(ARGV[a + 2]), burst = tonumber(ARGV[a + 3]),
@@ -57,7 +75,7 @@ end
 
 if op == 'lease' then
   local c = checks[1]
-  local max_validity = tonumber(ARGV[3 + PER_CHECK * #KEYS])
+  local max_validity = tonumber(ARGV[3 + PER_CHECK * nchecks])
   if c.alg.lease == nil then return redis.error_reply('fleetlimit: this algorithm cannot be leased') end
   c.alg.decide(c.st, now, c.q, 1)
   local granted, valid_until, at = c.alg.lease(c.st, now, c.q, c.cost, max_validity)
@@ -78,6 +96,9 @@ if op == 'refund' then
     c.alg.save(c.st, now, c.q)
     emit(peek(c), -1)
   end
+  local answer = {}
+  for j, v in ipairs(out) do answer[j] = string.format('%d', v) end
+  redis.call('SET', once, table.concat(answer, ','), 'PX', ONCE_TTL_MS)
   return out
 end
 

@@ -535,9 +535,52 @@ impl RedisStore {
         ]
     }
 
+    /// The script's keys and arguments for one refund of `refund` with the once token `token`
+    /// (on the store's clock): a hook for testing a refund sent twice.
+    #[doc(hidden)]
+    pub fn refund_script_call(
+        &self,
+        refund: &Refund<'_>,
+        token: &str,
+    ) -> (Vec<Vec<u8>>, Vec<String>) {
+        let check = Check {
+            rule: refund.rule,
+            key: refund.key,
+            cost: refund.taken.cost,
+        };
+        let state = redis_key(&self.inner.prefix, refund.rule, refund.key);
+        let mut args = Self::script_args(&check);
+        args[0] = "refund".into();
+        if let Some(clock) = &self.inner.clock {
+            args[1] = clock.now_us().to_string();
+        }
+        if let Some(anchor) = args.last_mut() {
+            *anchor = refund.taken.at.to_string();
+        }
+        (vec![state.clone(), once_key(state, token)], args)
+    }
+
     fn is_cluster(&self) -> bool {
         matches!(self.inner.conn, Conn::Cluster { .. })
     }
+}
+
+/// The key that makes a refund call count once however often it is sent: the first check's key
+/// (so the same hash tag and slot) and a token drawn for the call.
+fn once_key(mut first: Vec<u8>, token: &str) -> Vec<u8> {
+    first.extend_from_slice(b":once:");
+    first.extend_from_slice(token.as_bytes());
+    first
+}
+
+/// A token no other call in the fleet draws within the once key's lifetime (64 random bits:
+/// std's hasher keys are seeded by the OS per thread, and the counter makes each draw differ).
+fn once_token() -> u64 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    RandomState::new().hash_one(DRAWS.fetch_add(1, Ordering::Relaxed))
 }
 
 fn op_name(op: Op) -> &'static str {
@@ -611,6 +654,14 @@ impl Inner {
         let mut invocation = self.script.prepare_invoke();
         for c in checks {
             invocation.key(redis_key(&self.prefix, c.rule, c.key));
+        }
+        if op == "refund" {
+            if let Some(c) = checks.first() {
+                invocation.key(once_key(
+                    redis_key(&self.prefix, c.rule, c.key),
+                    &format!("{:016x}", once_token()),
+                ));
+            }
         }
         invocation.arg(op);
         match &self.clock {
