@@ -179,3 +179,52 @@ fn decisions_are_traced_without_raw_keys() {
         "a raw API key reached the logs: {out}"
     );
 }
+
+/// Why decisions left the store is said at `warn` once per episode (the first failure since a
+/// success, then the breaker opening), not once per request.
+#[test]
+fn store_failures_are_said_once_per_episode() {
+    use fleetlimit::store::RedisStore;
+    use fleetlimit::{Key, OnStoreError};
+    // A loopback port nobody listens on: every call is refused at once.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut decisions = 0;
+    let out = logged(tracing::Level::WARN, || {
+        runtime.block_on(async {
+            let store = RedisStore::builder()
+                .connect(&format!("redis://127.0.0.1:{port}"))
+                .await
+                .unwrap();
+            let limiter = Limiter::builder(store)
+                .rule(Rule::new("r", Quota::per_minute(10).build().unwrap()).unwrap())
+                .on_store_error(OnStoreError::FailOpen)
+                .build()
+                .unwrap();
+            for _ in 0..20 {
+                let d = limiter.consume(&Key::new("k"), 1).await.unwrap();
+                assert!(d.allowed && d.degraded, "{d:?}");
+                decisions += 1;
+            }
+        })
+    });
+    assert_eq!(decisions, 20);
+    assert_eq!(
+        out.matches("store call failed; this decision follows the outage policy")
+            .count(),
+        1,
+        "{out}"
+    );
+    assert_eq!(out.matches("breaker opened").count(), 1, "{out}");
+    assert!(
+        out.contains("rule=\"r\"") && out.contains("domain=0"),
+        "{out}"
+    );
+}

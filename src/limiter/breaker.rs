@@ -2,9 +2,9 @@
 //! deadline on every request for a cool-down, then let one probe through.
 //!
 //! Promise: a failure is charged to the domain whose call failed, and only to it (one dead
-//! cluster master never opens a healthy slot's breaker); state changes are logged once, naming
-//! the rule and the domain; an open breaker's state is read from the clock, not from the next
-//! call.
+//! cluster master never opens a healthy slot's breaker); the first failure after a success and
+//! each state change are logged once, naming the rule, the domain (a cluster slot) and the
+//! error; an open breaker's state is read from the clock, not from the next call.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -62,6 +62,8 @@ pub(crate) struct Breaker {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Transition {
     None,
+    /// The first failure since the last success, not enough to open.
+    FirstFailure,
     Opened,
     Closed,
 }
@@ -132,7 +134,11 @@ impl Breaker {
         {
             return Transition::Opened;
         }
-        Transition::None
+        if failures == 1 {
+            Transition::FirstFailure
+        } else {
+            Transition::None
+        }
     }
 
     /// A probe that ended without an answer either way (its request was dropped).
@@ -205,17 +211,26 @@ impl Breakers {
             }
             Err(error) => {
                 self.store_errors.fetch_add(1, Ordering::Relaxed);
-                if breaker.failure(now(), probe, &self.config) == Transition::Opened {
-                    self.opened.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
+                match breaker.failure(now(), probe, &self.config) {
+                    Transition::Opened => {
+                        self.opened.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            rule,
+                            domain,
+                            %error,
+                            cool_down = ?self.config.cool_down,
+                            "fleetlimit: store failing; breaker opened, decisions follow the outage policy"
+                        );
+                    }
+                    // Why a decision left the store (a cluster slot moving, a node gone) is
+                    // worth one line per episode, not one per request.
+                    Transition::FirstFailure => tracing::warn!(
                         rule,
                         domain,
                         %error,
-                        cool_down = ?self.config.cool_down,
-                        "fleetlimit: store failing; breaker opened, decisions follow the outage policy"
-                    );
-                } else {
-                    tracing::debug!(rule, domain, %error, "fleetlimit: store call failed");
+                        "fleetlimit: store call failed; this decision follows the outage policy"
+                    ),
+                    _ => tracing::debug!(rule, domain, %error, "fleetlimit: store call failed"),
                 }
                 None
             }
@@ -250,7 +265,7 @@ mod tests {
         let c = BreakerConfig::default();
         let b = Breaker::default();
         assert_eq!(b.admit(0), Admission::Call);
-        assert_eq!(b.failure(0, false, &c), Transition::None);
+        assert_eq!(b.failure(0, false, &c), Transition::FirstFailure);
         assert_eq!(b.failure(0, false, &c), Transition::None);
         assert_eq!(b.failure(0, false, &c), Transition::Opened);
         assert_eq!(b.failure(0, false, &c), Transition::None, "opened once");
@@ -278,6 +293,11 @@ mod tests {
         b.failure(0, false, &c);
         b.failure(0, false, &c);
         assert_eq!(b.success(), Transition::None);
+        assert_eq!(
+            b.failure(0, false, &c),
+            Transition::FirstFailure,
+            "a new episode is reported again"
+        );
         assert_eq!(b.failure(0, false, &c), Transition::None);
         assert_eq!(b.state(0), BreakerState::Closed);
     }
