@@ -14,6 +14,10 @@ use support::redis::RedisCluster;
 
 const KEYS: usize = 200;
 
+/// One cluster at a time: each test measures what maintenance costs a decision at the default
+/// deadline, not what three clusters and their load competing for two cores cost.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn rules(limit: u64) -> [Rule; 2] {
     // Two rules on each key: every decision is one script over two keys of one slot, which a
     // migration can split (TRYAGAIN).
@@ -126,6 +130,7 @@ fn keys() -> Vec<Key> {
 /// policy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reshard_under_load_costs_no_policy_decision() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let cluster = Arc::new(RedisCluster::start());
     let fleet = fleet(&cluster, 30).await;
     let keys = keys();
@@ -149,6 +154,7 @@ async fn a_reshard_under_load_costs_no_policy_decision() {
 /// A master added and the slots rebalanced onto it, under load: the same promise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_added_under_load_costs_no_policy_decision() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let mut cluster = RedisCluster::start();
     cluster.add_master(5_000).unwrap();
     let cluster = Arc::new(cluster);
@@ -180,6 +186,7 @@ async fn a_master_added_under_load_costs_no_policy_decision() {
 /// asynchronous replication.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_failover_costs_only_its_keys_a_short_window() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let mut cluster = RedisCluster::start_with_replicas(1, 1_000);
     // Every replica in sync with its master (a replica that never synced may not fail over).
     let started = Instant::now();
