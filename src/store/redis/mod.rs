@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
-use redis::{FromRedisValue, RedisError, Script};
+use redis::{RedisError, Script};
 use tokio::sync::OnceCell;
 
 use super::{BoxFuture, Check, Lease, Op, Refund, Store};
@@ -285,13 +285,15 @@ impl RedisStoreBuilder {
         if nodes.iter().any(|n| n.starts_with("rediss://")) || self.tls.is_some() {
             install_crypto();
         }
-        // No retries inside redis-rs: it would also resend a call after a broken connection,
-        // when the script may have run. The store follows redirections itself, within the
-        // decision's deadline (`follow_redirections`).
+        // Redirections (MOVED, ASK) and TRYAGAIN during a migration are retried at once or after
+        // a few milliseconds, within the decision's deadline (the default waits start at 1.28 s).
         #[allow(unused_mut)]
         let mut builder = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(self.connect_timeout)
-            .retries(0);
+            .retries(2)
+            .min_retry_wait(1)
+            .max_retry_wait(10)
+            .retry_wait_formula(2, 2);
         #[cfg(feature = "tls")]
         if let Some(certificates) = &self.tls {
             builder = builder.certs(certificates.clone());
@@ -563,86 +565,6 @@ impl RedisStore {
     }
 }
 
-fn push(args: &mut Vec<Vec<u8>>, arg: impl redis::ToRedisArgs) {
-    args.extend(arg.to_redis_args());
-}
-
-/// Redirections and refusals a cluster call follows. A slot migration causes MOVED then ASK,
-/// and TRYAGAIN until a multi-key call's keys have all moved; the waits (1, 2, 4, then 8 ms) add
-/// up to about 40 ms, and the decision's deadline bounds them anyway.
-const MAX_REDIRECTIONS: u32 = 8;
-
-/// Follow a cluster call's redirections (MOVED, ASK with `ASKING`) and answers that refused to run
-/// it (TRYAGAIN, CLUSTERDOWN, MASTERDOWN, LOADING). Every one of them means the script did not run,
-/// so sending it again is safe. Nothing else is sent again: after a broken connection or a timeout
-/// the script may have run, and running it twice would count twice (that is why redis-rs's own
-/// retries are off). Redirected calls send the script itself (`EVAL`), so a node that never saw it
-/// needs no extra round trip.
-async fn follow_redirections(
-    conn: &mut ClusterConnection,
-    mut result: Result<Vec<i64>, RedisError>,
-    keys: &[Vec<u8>],
-    args: &[Vec<u8>],
-) -> Result<Vec<i64>, RedisError> {
-    use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-    use redis::RetryMethod;
-    let slot = keys.first().map_or(0, |k| slot(k));
-    for attempt in 0..MAX_REDIRECTIONS {
-        let Err(error) = &result else { break };
-        let method = error.retry_method();
-        let node = error.redirect_node().and_then(|(address, _)| {
-            let (host, port) = address.rsplit_once(':')?;
-            Some(SingleNodeRoutingInfo::ByAddress {
-                host: host
-                    .trim_start_matches('[')
-                    .trim_end_matches(']')
-                    .to_owned(),
-                port: port.parse().ok()?,
-            })
-        });
-        let mut eval = redis::cmd("EVAL");
-        eval.arg(SCRIPT).arg(keys.len()).arg(keys).arg(args);
-        result = match (method, node) {
-            (RetryMethod::MovedRedirect, Some(node)) => {
-                tracing::debug!(slot, %error, "fleetlimit: cluster slot moved; following");
-                conn.route_command(eval, RoutingInfo::SingleNode(node))
-                    .await
-                    .and_then(numbers)
-            }
-            (RetryMethod::AskRedirect, Some(node)) => {
-                tracing::debug!(slot, %error, "fleetlimit: cluster slot migrating; asking its new node");
-                let mut pipe = redis::pipe();
-                pipe.cmd("ASKING").add_command(eval);
-                conn.route_pipeline(pipe, 1, 1, node)
-                    .await
-                    .and_then(|values| match <[redis::Value; 1]>::try_from(values) {
-                        Ok([value]) => numbers(value),
-                        Err(values) => Err(RedisError::from((
-                            redis::ErrorKind::UnexpectedReturnType,
-                            "ASKING pipeline",
-                            format!("{} answers", values.len()),
-                        ))),
-                    })
-            }
-            (RetryMethod::WaitAndRetry, _) => {
-                tracing::debug!(slot, %error, "fleetlimit: cluster slot unavailable for now; trying again");
-                tokio::time::sleep(Duration::from_millis(1 << attempt.min(3))).await;
-                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
-                conn.route_command(eval, RoutingInfo::SingleNode(route))
-                    .await
-                    .and_then(numbers)
-            }
-            _ => break,
-        };
-    }
-    result
-}
-
-/// The script's answer as numbers.
-fn numbers(value: redis::Value) -> Result<Vec<i64>, RedisError> {
-    Vec::<i64>::from_redis_value(value).map_err(RedisError::from)
-}
-
 /// The key that makes a refund call count once however often it is sent: the first check's key
 /// (so the same hash tag and slot) and a token drawn for the call.
 fn once_key(mut first: Vec<u8>, token: &str) -> Vec<u8> {
@@ -729,46 +651,46 @@ impl Inner {
         anchors: &[u64],
         extra: Option<u64>,
     ) -> Result<Vec<i64>, StoreError> {
-        let mut keys: Vec<Vec<u8>> = checks
-            .iter()
-            .map(|c| redis_key(&self.prefix, c.rule, c.key))
-            .collect();
+        let mut invocation = self.script.prepare_invoke();
+        for c in checks {
+            invocation.key(redis_key(&self.prefix, c.rule, c.key));
+        }
         if op == "refund" {
-            if let Some(first) = keys.first() {
-                keys.push(once_key(first.clone(), &format!("{:016x}", once_token())));
+            if let Some(c) = checks.first() {
+                invocation.key(once_key(
+                    redis_key(&self.prefix, c.rule, c.key),
+                    &format!("{:016x}", once_token()),
+                ));
             }
         }
-        let mut args: Vec<Vec<u8>> = Vec::with_capacity(3 + 9 * checks.len());
-        push(&mut args, op);
+        invocation.arg(op);
         match &self.clock {
-            Some(clock) => push(&mut args, clock.now_us()),
-            None => push(&mut args, ""),
+            Some(clock) => invocation.arg(clock.now_us()),
+            None => invocation.arg(""),
         };
         for (i, c) in checks.iter().enumerate() {
             let q = c.rule.quota();
-            push(&mut args, algorithm_code(q.algorithm()));
-            push(&mut args, q.limit());
-            push(&mut args, q.period_us());
-            push(&mut args, q.burst());
-            push(&mut args, q.emission_us());
-            push(&mut args, q.token_units());
-            push(&mut args, q.refill_units());
-            push(&mut args, c.cost);
+            invocation
+                .arg(algorithm_code(q.algorithm()))
+                .arg(q.limit())
+                .arg(q.period_us())
+                .arg(q.burst())
+                .arg(q.emission_us())
+                .arg(q.token_units())
+                .arg(q.refill_units())
+                .arg(c.cost);
             match anchors.get(i) {
-                Some(at) => push(&mut args, *at),
-                None => push(&mut args, ""),
+                Some(at) => invocation.arg(*at),
+                None => invocation.arg(""),
             };
         }
         if let Some(extra) = extra {
-            push(&mut args, extra);
+            invocation.arg(extra);
         }
-        let mut invocation = self.script.prepare_invoke();
-        invocation.key(&keys).arg(&args);
         let result = match self.connection().await? {
             Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
             Ready::Cluster(mut conn) => {
                 let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
-                let result = follow_redirections(&mut conn, result, &keys, &args).await;
                 // A node that stopped answering (a master killed before its replica took over):
                 // the next call connects again and learns the new slot map.
                 if result.as_ref().is_err_and(|e| {
