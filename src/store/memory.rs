@@ -78,8 +78,10 @@ struct Shard {
     hasher: DefaultHashBuilder,
     /// Sweep expired entries when the shard reaches this size.
     next_sweep: usize,
-    /// With [`Overflow::Shared`]: the state new keys share, per rule, while the shard is full.
-    overflow: Vec<(Arc<str>, State)>,
+    /// With [`Overflow::Shared`]: the state new keys share, per rule, while the shard is full,
+    /// with its expiry. Kept until it expires, not only while the shard is full: a key that
+    /// leaves it for an entry of its own starts from it (see [`Shard::fresh`]).
+    overflow: Vec<(Arc<str>, State, u64)>,
 }
 
 /// Kept small (no cached hash, the key's bytes boxed): a table of many keys is bound by cache
@@ -411,17 +413,31 @@ impl Shard {
         }
     }
 
-    fn overflow_state(&mut self, check: &Check<'_>) -> &mut State {
+    fn overflow_state(&mut self, check: &Check<'_>) -> &mut (Arc<str>, State, u64) {
         let quota = check.rule.quota();
         let name = check.rule.shared_name();
-        let i = match self.overflow.iter().position(|(r, _)| r == name) {
+        let i = match self.overflow.iter().position(|(r, _, _)| r == name) {
             Some(i) => i,
             None => {
-                self.overflow.push((name.clone(), State::new(quota)));
+                self.overflow.push((name.clone(), State::new(quota), 0));
                 self.overflow.len() - 1
             }
         };
-        &mut self.overflow[i].1
+        &mut self.overflow[i]
+    }
+
+    /// The state a key gets when it is first held. While the rule's overflow state still counts
+    /// permits, it starts from a copy of it: the key may have been counted there (sharing it
+    /// while the shard was full), and starting afresh would give those permits again.
+    /// Conservative for a key that never overflowed: it is limited with the overflow's keys
+    /// until that state expires, as it would have been had it come a moment earlier.
+    fn fresh(&self, check: &Check<'_>, now: u64) -> State {
+        let quota = check.rule.quota();
+        let name = check.rule.shared_name();
+        self.overflow
+            .iter()
+            .find(|(r, state, expires_at)| r == name && *expires_at > now && state.fits(quota))
+            .map_or_else(|| State::new(quota), |(_, state, _)| state.clone())
     }
 
     /// Decide one check, and say where its state lives for the commit. `may_sweep`: a new key
@@ -437,7 +453,10 @@ impl Shard {
     ) -> (Decision, Place, Option<State>) {
         let quota = check.rule.quota();
         let place = self.locate(check, hash, now, store.shard_capacity, may_sweep);
-        let mut fresh = State::new(quota);
+        let mut fresh = match place {
+            Place::Fresh => self.fresh(check, now),
+            _ => State::new(quota),
+        };
         let state = match place {
             Place::Found => match self.find(check, hash) {
                 Some(entry) => fitted(&mut entry.state, quota),
@@ -445,7 +464,7 @@ impl Shard {
             },
             Place::Fresh => &mut fresh,
             Place::Overflow => match store.overflow {
-                Overflow::Shared => fitted(self.overflow_state(check), quota),
+                Overflow::Shared => fitted(&mut self.overflow_state(check).1, quota),
                 Overflow::Refuse { retry_after } => {
                     let limit = quota.capacity();
                     let d = Decision::deny(limit, 0, retry_after, Some(retry_after));
@@ -497,7 +516,10 @@ impl Shard {
         let quota = check.rule.quota();
         let used = used_share(decision);
         if place == Place::Overflow {
-            return self.overflow_state(check).commit(now, quota, check.cost);
+            let (_, state, expires_at) = self.overflow_state(check);
+            let taken = state.commit(now, quota, check.cost);
+            *expires_at = state.expires_at(quota);
+            return taken;
         }
         if let Some(entry) = self.find(check, hash) {
             let taken = entry.state.commit(now, quota, check.cost);
@@ -508,7 +530,7 @@ impl Shard {
         if may_sweep && self.table.len() >= self.next_sweep {
             self.sweep(now, store.shard_capacity);
         }
-        let mut state = State::new(quota);
+        let mut state = self.fresh(check, now);
         state.decide(now, quota, check.cost);
         let taken = state.commit(now, quota, check.cost);
         let expires_at = state.expires_at(quota);
@@ -529,7 +551,10 @@ impl Shard {
         let quota = check.rule.quota();
         match self.locate(check, hash, now, capacity, true) {
             Place::Overflow => return None,
-            Place::Fresh => self.insert(hash, check, State::new(quota), 0, 0),
+            Place::Fresh => {
+                let state = self.fresh(check, now);
+                self.insert(hash, check, state, 0, 0)
+            }
             Place::Found => {}
         }
         let entry = self.find(check, hash)?;
@@ -587,9 +612,7 @@ impl Shard {
                 });
             }
         }
-        if self.table.len() < capacity {
-            self.overflow.clear();
-        }
+        self.overflow.retain(|(_, _, expires_at)| *expires_at > now);
         self.next_sweep = (self.table.len() * 2).clamp(FIRST_SWEEP.min(capacity), capacity);
     }
 }
@@ -952,6 +975,37 @@ mod tests {
             let d = s.apply_now(Op::Consume, &one(&r, &victim, 1))[0];
             proptest::prop_assert!(!d.allowed, "reset by the spray: {:?}", d);
         }
+    }
+
+    /// Room freed in the shard does not give back what a key took while it shared the
+    /// overflow state: it starts from that state, and is refused until its permits slide out.
+    #[test]
+    fn a_key_leaving_the_overflow_keeps_what_it_took_there() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 64);
+        let r = Rule::new(
+            "r",
+            Quota::per_minute(2)
+                .algorithm(Algorithm::SlidingLog)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        for i in 0..64u32 {
+            s.apply_now(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 2));
+        }
+        clock.advance(Duration::from_secs(30));
+        let late = Key::new("late");
+        assert!(s.apply_now(Op::Consume, &one(&r, &late, 2))[0].allowed);
+        assert!(!s.apply_now(Op::Consume, &one(&r, &late, 1))[0].allowed);
+        // The first 64 entries expire: room, and `late` gets an entry of its own.
+        clock.advance(Duration::from_secs(31));
+        let d = s.apply_now(Op::Consume, &one(&r, &late, 1))[0];
+        assert!(!d.allowed, "2 already taken in the trailing minute: {d:?}");
+        assert!(s.len() < 64);
+        // Once those slide out, it is admitted again.
+        clock.advance(Duration::from_secs(30));
+        assert!(s.apply_now(Op::Consume, &one(&r, &late, 2))[0].allowed);
     }
 
     #[test]
