@@ -2,7 +2,7 @@
 //! set before and after holding N live (rule, key) entries.
 //!
 //! ```text
-//! cargo run --release --example memory_footprint [-- --keys 1000000 --algorithm sliding-window]
+//! cargo run --release --example memory_footprint [-- --keys 1000000 --algorithm sliding-window --sub-windows 20]
 //! ```
 
 use std::time::Duration;
@@ -27,21 +27,22 @@ fn rss() -> Option<u64> {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut keys: usize = 1_000_000;
     let mut algorithm = Algorithm::SlidingWindow;
+    let mut sub_windows = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--keys" => keys = value.parse()?,
             "--algorithm" => algorithm = value.parse()?,
+            "--sub-windows" => sub_windows = Some(value.parse()?),
             other => return Err(format!("unknown argument {other:?}").into()),
         }
     }
-    let rule = Rule::new(
-        "api",
-        Quota::new(100, Duration::from_secs(3600))
-            .algorithm(algorithm)
-            .build()?,
-    )?;
+    let mut quota = Quota::new(100, Duration::from_secs(3600)).algorithm(algorithm);
+    if let Some(n) = sub_windows {
+        quota = quota.sub_windows(n);
+    }
+    let rule = Rule::new("api", quota.build()?)?;
     let store = MemoryStore::builder().max_keys(keys + keys / 4).build()?;
     let before = rss().ok_or("no /proc/self/status")?;
     for i in 0..keys {

@@ -327,34 +327,37 @@ fn check_bounds(case: &Case, list: &[Admission], slack: u64) -> Result<(), TestC
             }
         }
         Algorithm::SlidingWindow => {
-            let p_ms = PERIOD_MS;
+            // The default sub-windows: the estimate weighs the one sliding out, the newer whole.
+            let width = period / fleetlimit::DEFAULT_SUB_WINDOWS;
+            let w_ms = width / 1000;
+            let sub_window = |t: u64| t - t % width;
             for a in list {
-                let w = window(a.at);
+                let s = sub_window(a.at);
                 let counted = |from: u64, to: u64| -> u64 {
                     list.iter()
                         .filter(|b| b.at >= from && b.at < to && b.at <= a.at)
-                        // Refunded (before now) while its window was current or previous.
+                        // Refunded (before now) while its sub-window was still counted.
                         .filter(|b| {
                             !b.refunded
-                                .is_some_and(|r| r <= a.at && r < window(b.at) + 2 * period)
+                                .is_some_and(|r| r <= a.at && r < sub_window(b.at) + period + width)
                         })
                         .map(|b| b.cost)
                         .sum()
                 };
-                let current = counted(w, w + period);
-                let previous = if w >= period {
-                    counted(w - period, w)
+                let newer = counted((s + width).saturating_sub(period), s + width);
+                let oldest = if s >= period {
+                    counted(s - period, s - period + width)
                 } else {
                     0
                 };
-                let e = (a.at - w) / 1000;
+                let e = (a.at - s) / 1000;
                 prop_assert!(
-                    previous * (p_ms - e) + current * p_ms <= max_limit * p_ms,
-                    "estimate over {} at {}: previous {} current {}",
+                    oldest * (w_ms - e) + newer * w_ms <= max_limit * w_ms,
+                    "estimate over {} at {}: sliding out {} newer {}",
                     max_limit,
                     a.at,
-                    previous,
-                    current
+                    oldest,
+                    newer
                 );
             }
         }

@@ -58,15 +58,10 @@ impl State {
                 }
             }
             State::SlidingWindow(s) => {
-                let p_ms = quota.period_us() / 1000;
-                let elapsed_ms = (now.saturating_sub(s.start) / 1000).min(p_ms);
-                let weighted = s.previous * (p_ms - elapsed_ms) + s.current * p_ms;
-                let room = (quota.limit() * p_ms).saturating_sub(weighted) / p_ms;
-                let permits = max.min(room);
-                s.current += permits;
+                let (permits, spend_by) = s.lease(now, quota, max);
                 Granted {
                     permits,
-                    valid_until: until.min(s.start + quota.period_us()),
+                    valid_until: until.min(spend_by),
                     taken: s.taken(now, permits),
                 }
             }

@@ -73,7 +73,11 @@ impl State {
     pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
         match self {
             State::FixedWindow(s) => s.period != 0 && s.period != quota.period_us(),
-            State::SlidingWindow(s) => s.period != 0 && s.period != quota.period_us(),
+            State::SlidingWindow(s) => {
+                s.period != 0
+                    && (s.period != quota.period_us()
+                        || s.counts.len() as u64 != quota.sub_windows() + 1)
+            }
             State::TokenBucket(s) => {
                 s.scale != quota.token_units() || s.rate != quota.refill_units()
             }

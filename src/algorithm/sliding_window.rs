@@ -1,36 +1,42 @@
-//! Sliding window counter: this window's count plus the previous window's, weighted by how much
-//! of the previous window the sliding window still covers.
+//! Sliding window counter: the period split into `n` sub-windows, one counter each, plus the
+//! sub-window sliding out, weighted by how much of it the sliding window still covers.
 //!
-//! Estimate at elapsed `e` (whole milliseconds into the current window of `P` ms):
-//! `previous × (P − e) / P + current`. A request of cost `c` is admitted when
-//! `estimate + c ≤ limit`. All of it is computed in integers, multiplied through by `P`.
+//! With sub-windows of `B` ms and elapsed `e` (whole ms into the current sub-window), the
+//! estimate of what the trailing period holds is `oldest × (B − e) / B + newer`, where `newer`
+//! is the sum of the `n` newest sub-windows (the current one included) and `oldest` the one
+//! sliding out. A request of cost `c` is admitted when `estimate + c ≤ limit`. All of it is
+//! computed in integers, multiplied through by `B`. With `n = 1` this is the classic two-counter
+//! version (this window and the previous one).
 //!
-//! Promise: the estimate never exceeds the limit. The estimate assumes the previous window's
-//! permits were spread evenly, so against the exact log it can admit a little more or a little
-//! less; the README reports the measured disagreement (`cargo run --release --example accuracy`).
+//! Promise: the estimate never exceeds the limit. It assumes the sliding-out sub-window's permits
+//! were spread evenly across it, so against the exact log it errs by at most that one
+//! sub-window's count: it can admit more than the limit in a trailing period only by permits
+//! taken in the sub-window sliding out (at most `limit`, and at most `limit / n` from a client
+//! spread at the limit's rate), and refuse a request the exact rule admits only while such a
+//! sub-window is sliding out. The README reports the measured error on a realistic trace
+//! (`cargo run --release --example accuracy`).
 //!
-//! Refunds: a receipt says when its permits were counted; they are taken off that window's count
-//! while it is still the current or the previous one (the estimate is then what it would be had
-//! the request never come), and nothing is given back after that, nor to a state converted from
-//! another quota or created afresh since (its `valid_from`).
+//! Refunds: a receipt says when its permits were counted; they are taken off that sub-window's
+//! count while it is still counted (the estimate is then what it would be had the request never
+//! come), and nothing is given back after that, nor to a state converted from another quota or
+//! created afresh since (its `valid_from`).
 //!
-//! Quota changes: a new limit reads both counts as they are, so the estimate never passes the
-//! larger limit while two limits write one key. A new period moves every permit still counted
-//! into the current window of the new alignment: conservative (it may refuse a little longer than
-//! either quota would), never more permissive.
+//! Quota changes: a new limit reads the counts as they are, so the estimate never passes the
+//! larger limit while two limits write one key. A new period or sub-window count moves every
+//! permit still counted into the current sub-window of the new alignment: conservative (it may
+//! refuse a little longer than either quota would), never more permissive.
 
 use super::{never, receipt, us};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct SlidingWindow {
-    /// Start of the current window (µs).
+    /// Start of the current sub-window (µs).
     pub(crate) start: u64,
-    /// Permits taken in the window before it.
-    pub(crate) previous: u64,
-    /// Permits taken in the current window.
-    pub(crate) current: u64,
-    /// The period (µs) the windows were aligned to; 0 for a fresh state.
+    /// Permits taken per sub-window, oldest first: the one sliding out, then the `n` the period
+    /// spans, the last being the current one. Empty for a fresh state.
+    pub(crate) counts: Box<[u64]>,
+    /// The period (µs) the sub-windows were aligned to; 0 for a fresh state.
     pub(crate) period: u64,
     /// Receipts from before this time (µs) refund nothing: the state was created or converted
     /// then. 0 until the first permit is taken.
@@ -38,123 +44,182 @@ pub(crate) struct SlidingWindow {
 }
 
 impl SlidingWindow {
-    pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
+    /// The width of one sub-window (µs); 0 for a fresh state.
+    fn width(&self) -> u64 {
+        match self.counts.len() {
+            0 | 1 => 0,
+            len => self.period / (len as u64 - 1),
+        }
+    }
+
+    /// Permits still counted at `now` (by the quota the state was written under).
+    fn still_counted(&self, now: u64) -> u64 {
+        let (width, len) = (self.width(), self.counts.len() as u64);
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| {
+                // Sub-window i starts (len − 1 − i) widths before the current one and is counted
+                // until a period and a width after its start.
+                let from = self.start.saturating_sub((len - 1 - i as u64) * width);
+                now < from + self.period + width
+            })
+            .map(|(_, c)| c)
+            .sum()
+    }
+
+    /// Bring the state to `now` under `quota`: converted if it was written under another
+    /// alignment, rolled forward to the sub-window holding `now`.
+    fn roll(&mut self, now: u64, quota: &Quota) {
         let period = quota.period_us();
-        let p_ms = period / 1000;
-        let limit = quota.limit();
-        let window = now - now % period;
-        if self.period != period {
-            let old = self.period;
-            let previous = if now < self.start + old {
-                self.previous
-            } else {
-                0
-            };
-            let current = if now < self.start + 2 * old {
-                self.current
-            } else {
-                0
-            };
+        let n = quota.sub_windows();
+        let width = period / n;
+        let window = now - now % width;
+        if self.period != period || self.counts.len() as u64 != n + 1 {
+            let still = self.still_counted(now);
+            let mut counts = vec![0; n as usize + 1];
+            counts[n as usize] = still;
             *self = SlidingWindow {
                 start: window,
-                previous: 0,
-                current: previous + current,
+                counts: counts.into_boxed_slice(),
                 period,
-                valid_from: if old != 0 { now } else { self.valid_from },
+                valid_from: if self.period != 0 {
+                    now
+                } else {
+                    self.valid_from
+                },
             };
         }
-        // A clock that stepped back stays in the newer window.
+        // A clock that stepped back stays in the newer sub-window.
         if window > self.start {
-            self.previous = if window == self.start + period {
-                self.current
+            let steps = (window - self.start) / width;
+            let len = self.counts.len();
+            if steps >= len as u64 {
+                self.counts.fill(0);
             } else {
-                0
-            };
-            self.current = 0;
+                let steps = steps as usize;
+                self.counts.rotate_left(steps);
+                self.counts[len - steps..].fill(0);
+            }
             self.start = window;
         }
-        let elapsed_ms = (now.saturating_sub(self.start) / 1000).min(p_ms);
-        // Both terms are at most limit × P, which the quota keeps exact.
-        let weighted = self.previous * (p_ms - elapsed_ms) + self.current * p_ms;
-        let capacity = limit * p_ms;
-        let remaining = capacity.saturating_sub(weighted) / p_ms;
-        let reset_after = self.reset_after(now, period);
+    }
+
+    /// `estimate × B`, with `B` the sub-window's width in ms.
+    fn weighted(&self, now: u64, w_ms: u64) -> u64 {
+        let elapsed_ms = (now.saturating_sub(self.start) / 1000).min(w_ms);
+        let newer: u64 = self.counts[1..].iter().sum();
+        // Every term is at most limit × B, which the quota keeps exact.
+        self.counts[0] * (w_ms - elapsed_ms) + newer * w_ms
+    }
+
+    pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
+        self.roll(now, quota);
+        let period = quota.period_us();
+        let width = period / quota.sub_windows();
+        let w_ms = width / 1000;
+        let limit = quota.limit();
+        let weighted = self.weighted(now, w_ms);
+        let capacity = limit * w_ms;
+        let remaining = capacity.saturating_sub(weighted) / w_ms;
+        let reset_after = self.empty_from(now).saturating_sub(now);
         if cost > limit {
             return never(limit, remaining, reset_after);
         }
-        if weighted + cost * p_ms <= capacity {
-            let after = self.start + period;
-            // Taking the permits makes the current window non-empty: full again once it has
-            // slid out, two windows from its start.
-            let reset = (after + period).saturating_sub(now);
+        if weighted + cost * w_ms <= capacity {
+            // Taking the permits makes the current sub-window non-empty: full again once it has
+            // slid out, a period and a width from its start.
+            let reset = (self.start + period + width).saturating_sub(now);
             return Decision::admit(limit, remaining - cost, us(reset));
         }
-        let retry = self.retry_at(quota, cost) - now;
+        let retry = self.retry_at(quota, cost).saturating_sub(now);
         Decision::deny(limit, remaining, us(reset_after), Some(us(retry)))
     }
 
     /// The earliest time a request of `cost` is admitted if nothing else arrives.
     fn retry_at(&self, quota: &Quota, cost: u64) -> u64 {
-        let period = quota.period_us();
-        let p_ms = period / 1000;
+        let width = quota.period_us() / quota.sub_windows();
+        let w_ms = width / 1000;
         let limit = quota.limit();
-        // Later in this window, as the previous window's weight falls:
-        // previous × (P − e) ≤ (limit − current − cost) × P.
-        if self.previous > 0 && self.current + cost <= limit {
-            let room = (limit - self.current - cost) * p_ms;
-            let e = p_ms.saturating_sub(room / self.previous);
-            if e < p_ms {
-                return self.start + e * 1000;
+        // `ahead` sub-windows from now, the counts have moved `ahead` places: the oldest is
+        // counts[ahead], and its weight falls as that sub-window goes on:
+        // oldest × (B − e) ≤ (limit − newer − cost) × B.
+        for ahead in 0..self.counts.len() {
+            let oldest = self.counts[ahead];
+            let newer: u64 = self.counts[ahead + 1..].iter().sum();
+            if newer + cost > limit {
+                continue;
+            }
+            let room = (limit - newer - cost) * w_ms;
+            let e = match room.checked_div(oldest) {
+                Some(fits) => w_ms - fits.min(w_ms),
+                None => 0,
+            };
+            if e < w_ms {
+                return self.start + ahead as u64 * width + e * 1000;
             }
         }
-        // Otherwise in the next window, where this window's count becomes the previous one:
-        // current × (P − e) ≤ (limit − cost) × P. At e = P this is the window after that.
-        let e = ((limit - cost) * p_ms)
-            .checked_div(self.current)
-            .map_or(0, |room| p_ms - room.min(p_ms));
-        self.start + period + e * 1000
+        // Once every counted sub-window has slid out.
+        self.start + self.counts.len() as u64 * width
     }
 
-    fn reset_after(&self, now: u64, period: u64) -> u64 {
-        let empty_from = if self.current > 0 {
-            self.start + 2 * period
-        } else if self.previous > 0 {
-            self.start + period
-        } else {
-            now
-        };
-        empty_from.saturating_sub(now)
+    /// From when nothing is counted: the newest non-empty sub-window has slid out.
+    fn empty_from(&self, now: u64) -> u64 {
+        let width = self.width();
+        let len = self.counts.len() as u64;
+        match self.counts.iter().rposition(|&c| c > 0) {
+            Some(i) => self.start - (len - 1 - i as u64) * width + self.period + width,
+            None => now,
+        }
     }
 
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
-        self.current += cost;
+        if let Some(current) = self.counts.last_mut() {
+            *current += cost;
+        }
         self.taken(now, cost)
     }
 
-    /// A receipt for `cost` permits counted at `now`, in the current window.
+    /// A receipt for `cost` permits counted at `now`, in the current sub-window.
     pub(crate) fn taken(&mut self, now: u64, cost: u64) -> Taken {
         let at = now.max(self.start);
         receipt(&mut self.valid_from, at, cost, Algorithm::SlidingWindow)
     }
 
     pub(crate) fn refund(&mut self, taken: Taken) {
-        if taken.at < self.valid_from || self.period == 0 {
+        let width = self.width();
+        if taken.at < self.valid_from || width == 0 {
             return;
         }
-        let window = taken.at - taken.at % self.period;
-        if window == self.start {
-            self.current = self.current.saturating_sub(taken.cost);
-        } else if window + self.period == self.start {
-            self.previous = self.previous.saturating_sub(taken.cost);
+        let window = taken.at - taken.at % width;
+        if window > self.start {
+            return;
+        }
+        let back = ((self.start - window) / width) as usize;
+        let len = self.counts.len();
+        if back < len {
+            let count = &mut self.counts[len - 1 - back];
+            *count = count.saturating_sub(taken.cost);
         }
     }
 
-    pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
-        let period = quota.period_us();
-        if self.current > 0 {
-            self.start + 2 * period
-        } else if self.previous > 0 {
-            self.start + period
+    /// Lease up to `max` permits at `now` (after a `decide`): counted in the current
+    /// sub-window, so they must be spent within it (the estimate assumes its permits were).
+    /// Returns the permits and until when they are valid.
+    pub(crate) fn lease(&mut self, now: u64, quota: &Quota, max: u64) -> (u64, u64) {
+        let width = quota.period_us() / quota.sub_windows();
+        let w_ms = width / 1000;
+        let room = (quota.limit() * w_ms).saturating_sub(self.weighted(now, w_ms)) / w_ms;
+        let permits = max.min(room);
+        if let Some(current) = self.counts.last_mut() {
+            *current += permits;
+        }
+        (permits, self.start + width)
+    }
+
+    pub(crate) fn expires_at(&self, _quota: &Quota) -> u64 {
+        if self.counts.iter().any(|&c| c > 0) {
+            self.empty_from(0)
         } else {
             0
         }
@@ -164,11 +229,41 @@ impl SlidingWindow {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use crate::Algorithm;
     use proptest::prelude::*;
 
+    /// The classic two-counter version: one sub-window per period.
     fn quota(limit: u64, period_ms: u64) -> crate::Quota {
-        quota_of(Algorithm::SlidingWindow, limit, period_ms, None)
+        split(limit, period_ms, 1)
+    }
+
+    fn split(limit: u64, period_ms: u64, n: u64) -> crate::Quota {
+        crate::Quota::new(limit, ms(period_ms))
+            .sub_windows(n)
+            .build()
+            .expect("valid test quota")
+    }
+
+    /// The estimate × B an admission at `t` of `cost` would make, recomputed from the admitted
+    /// history: the sub-window sliding out weighted, the `n` newer ones whole.
+    fn reference(q: &crate::Quota, admitted: &[(u64, u64)], t: u64, cost: u64) -> (u64, u64) {
+        let p = q.period_us();
+        let b = p / q.sub_windows();
+        let w_ms = b / 1000;
+        let s = t - t % b;
+        let sum_in = |from: u64, to: u64| {
+            admitted
+                .iter()
+                .filter(|(at, _)| *at >= from && *at < to && *at <= t)
+                .map(|(_, c)| c)
+                .sum::<u64>()
+        };
+        let oldest = if s >= p { sum_in(s - p, s - p + b) } else { 0 };
+        let newer = sum_in((s + b).saturating_sub(p), s + b);
+        let e = (t - s) / 1000;
+        (
+            oldest * (w_ms - e) + (newer + cost) * w_ms,
+            q.limit() * w_ms,
+        )
     }
 
     #[test]
@@ -247,30 +342,86 @@ mod tests {
         assert_eq!(s.peek().remaining, 3);
     }
 
+    #[test]
+    fn sub_windows_slide_out_one_by_one() {
+        // 10 per second in 4 sub-windows of 250 ms.
+        let q = split(10, 1000, 4);
+        let mut s = Sim::new(&q, T0);
+        assert!(s.consume(4).allowed); // sub-window 0
+        s.advance_ms(500);
+        assert!(s.consume(6).allowed); // sub-window 2: 10 counted
+        assert!(!s.consume(1).allowed);
+        // At 1000 ms sub-window 0 starts sliding out: 100 ms into it, it weighs 4 × 150/250.
+        s.advance_ms(600);
+        let d = s.consume(1);
+        assert!(d.allowed, "2.4 + 6 + 1 = 9.4 ≤ 10");
+        assert_eq!(d.remaining, 0);
+        let d = s.consume(1);
+        assert!(!d.allowed, "2.4 + 7 + 1 > 10");
+        // 4 × (250 − e) ≤ (10 − 7 − 1) × 250 ⇒ e ≥ 125 ms, 25 ms from now.
+        assert_eq!(d.retry_after, Some(ms(25)));
+        assert_retry_is_exact(&s, 1);
+        // Once sub-window 0 has slid out, only the 7 newer permits count.
+        s.advance_ms(150);
+        assert_eq!(s.peek().remaining, 3);
+    }
+
+    #[test]
+    fn more_sub_windows_follow_the_exact_count_closer() {
+        // A burst of the whole limit at the very end of a period: the two-counter version takes
+        // it as spread over the whole period and soon admits again; 10 sub-windows know it came
+        // in the last tenth.
+        let admitted_after = |n: u64| {
+            let q = split(10, 1000, n);
+            let mut s = Sim::new(&q, T0 + 950_000);
+            assert!(s.consume(10).allowed);
+            s.advance_ms(500); // 550 ms into the next period: the burst is 450 ms old
+            (0..10).filter(|_| s.consume(1).allowed).count()
+        };
+        assert_eq!(
+            admitted_after(1),
+            4,
+            "10 × 450/1000 still counted: 4 more (14 in 1 s)"
+        );
+        assert_eq!(
+            admitted_after(10),
+            0,
+            "exact: the burst is within the trailing second"
+        );
+    }
+
+    #[test]
+    fn a_new_sub_window_count_keeps_every_counted_permit() {
+        let q = split(10, 1000, 10);
+        let mut s = Sim::new(&q, T0 + 500_000);
+        assert!(s.consume(6).allowed);
+        s.advance_ms(1);
+        let (q2, q50) = (quota(10, 1000), split(10, 1000, 50));
+        let mut two = s.with_quota(&q2);
+        assert_eq!(two.peek().remaining, 4);
+        let mut fifty = s.with_quota(&q50);
+        assert_eq!(fifty.peek().remaining, 4);
+        // A receipt from before the conversion refunds nothing.
+        let taken = s.last_taken();
+        two.refund(taken);
+        assert_eq!(two.peek().remaining, 4);
+    }
+
     proptest! {
         #[test]
         fn never_admits_beyond_its_own_estimate(
             limit in 1u64..20,
             period_ms in 1u64..50,
+            n in 1u64..8,
             arrivals in arrivals_strategy(200, 30),
         ) {
             // Replay the admitted requests and recompute the weighted estimate from scratch at
             // each admission: it must never exceed the limit.
-            let q = quota(limit, period_ms);
+            let q = split(limit, period_ms, n);
             let admitted = run(&q, &arrivals);
-            let p = q.period_us();
-            let p_ms = p / 1000;
             for (i, &(t, _)) in admitted.iter().enumerate() {
-                let window = t - t % p;
-                let sum_in = |from: u64, to: u64| admitted[..=i]
-                    .iter()
-                    .filter(|(ts, _)| *ts >= from && *ts < to)
-                    .map(|(_, c)| c)
-                    .sum::<u64>();
-                let current = sum_in(window, window + p);
-                let previous = if window >= p { sum_in(window - p, window) } else { 0 };
-                let e = (t - window) / 1000;
-                prop_assert!(previous * (p_ms - e) + current * p_ms <= limit * p_ms);
+                let (weighted, capacity) = reference(&q, &admitted[..=i], t, 0);
+                prop_assert!(weighted <= capacity);
             }
         }
 
@@ -278,30 +429,48 @@ mod tests {
         fn admits_exactly_what_its_estimate_allows(
             limit in 1u64..20,
             period_ms in 1u64..50,
+            n in 1u64..8,
             arrivals in arrivals_strategy(200, 30),
         ) {
-            let q = quota(limit, period_ms);
-            let p = q.period_us();
-            let p_ms = p / 1000;
+            let q = split(limit, period_ms, n);
             run_against_reference(&q, &arrivals, |admitted, t, cost| {
-                let window = t - t % p;
-                let sum_in = |from: u64, to: u64| {
-                    admitted
-                        .iter()
-                        .filter(|(at, _)| *at >= from && *at < to)
-                        .map(|(_, c)| c)
-                        .sum::<u64>()
-                };
-                let current = sum_in(window, window + p);
-                let previous = if window >= p { sum_in(window - p, window) } else { 0 };
-                let e = (t - window) / 1000;
-                previous * (p_ms - e) + (current + cost) * p_ms <= limit * p_ms
+                let (weighted, capacity) = reference(&q, admitted, t, cost);
+                weighted <= capacity
             })?;
         }
 
+        /// The stated bound: in any trailing period, at most the limit plus what the sub-window
+        /// sliding out held.
         #[test]
-        fn retry_after_is_exact(limit in 1u64..20, period_ms in 1u64..50, arrivals in arrivals_strategy(60, 30)) {
-            check_retry_exact_over(&quota(limit, period_ms), &arrivals)?;
+        fn errs_by_at_most_the_sub_window_sliding_out(
+            limit in 1u64..20,
+            period_ms in 1u64..50,
+            n in 1u64..8,
+            arrivals in arrivals_strategy(200, 30),
+        ) {
+            let q = split(limit, period_ms, n);
+            let p = q.period_us();
+            let b = p / q.sub_windows();
+            let admitted = run(&q, &arrivals);
+            for &(t, _) in &admitted {
+                let in_period: u64 = admitted
+                    .iter()
+                    .filter(|(at, _)| *at + p > t && *at <= t)
+                    .map(|(_, c)| c)
+                    .sum();
+                let s = t - t % b;
+                let sliding_out: u64 = admitted
+                    .iter()
+                    .filter(|(at, _)| s >= p && *at >= s - p && *at < s - p + b)
+                    .map(|(_, c)| c)
+                    .sum();
+                prop_assert!(in_period <= limit + sliding_out, "{} > {} + {}", in_period, limit, sliding_out);
+            }
+        }
+
+        #[test]
+        fn retry_after_is_exact(limit in 1u64..20, period_ms in 1u64..50, n in 1u64..8, arrivals in arrivals_strategy(60, 30)) {
+            check_retry_exact_over(&split(limit, period_ms, n), &arrivals)?;
         }
     }
 }

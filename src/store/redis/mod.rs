@@ -530,6 +530,7 @@ impl RedisStore {
             q.emission_us().to_string(),
             q.token_units().to_string(),
             q.refill_units().to_string(),
+            q.sub_windows().to_string(),
             check.cost.to_string(),
             String::new(),
         ]
@@ -678,6 +679,7 @@ impl Inner {
                 .arg(q.emission_us())
                 .arg(q.token_units())
                 .arg(q.refill_units())
+                .arg(q.sub_windows())
                 .arg(c.cost);
             match anchors.get(i) {
                 Some(at) => invocation.arg(*at),

@@ -1,76 +1,120 @@
 -- Sliding window counter: src/algorithm/sliding_window.rs, line for line.
--- State: HASH { s = start of the current window, p = previous count, c = current count,
--- w = the period the windows were aligned to, v = receipts from before this time refund nothing }.
+-- State: HASH { s = start of the current sub-window, b = the counts, oldest first, as a
+-- MessagePack array of integers (the sub-window sliding out, then the n the period spans),
+-- w = the period the sub-windows were aligned to, v = receipts from before this time refund
+-- nothing }.
 local sliding_window = {}
 
 function sliding_window.load(key)
-  local v = hash_numbers(key, { 's', 'p', 'c', 'w', 'v' })
+  local v = redis.call('HMGET', key, 's', 'b', 'w', 'v', 'p', 'c')
+  local counts, legacy = {}, false
+  if v[2] then
+    counts = cmsgpack.unpack(v[2])
+  elseif v[6] then
+    -- Written by the two-counter layout of earlier builds: previous and current window.
+    counts = { tonumber(v[5]) or 0, tonumber(v[6]) or 0 }
+    legacy = true
+  end
   return {
-    key = key, start = v[1] or 0, previous = v[2] or 0, current = v[3] or 0, period = v[4] or 0,
-    valid_from = v[5] or 0,
+    key = key, start = tonumber(v[1]) or 0, counts = counts, period = tonumber(v[3]) or 0,
+    valid_from = tonumber(v[4]) or 0, legacy = legacy,
   }
 end
 
-local function sw_reset_after(st, now, period)
-  local empty_from = now
-  if st.current > 0 then
-    empty_from = st.start + 2 * period
-  elseif st.previous > 0 then
-    empty_from = st.start + period
+local function sw_width(st)
+  if #st.counts < 2 then return 0 end
+  return st.period / (#st.counts - 1)
+end
+
+local function sw_still_counted(st, now)
+  local width, len = sw_width(st), #st.counts
+  local sum = 0
+  for i = 1, len do
+    local from = math.max(st.start - (len - i) * width, 0)
+    if now < from + st.period + width then sum = sum + st.counts[i] end
   end
-  return math.max(empty_from - now, 0)
+  return sum
+end
+
+local function sw_roll(st, now, q)
+  local period, n = q.period, q.sub_windows
+  local width = period / n
+  local window = now - (now % width)
+  if st.period ~= period or #st.counts ~= n + 1 then
+    -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
+    local valid_from = st.valid_from
+    if st.period ~= 0 then
+      st.dirty = true
+      valid_from = now
+    end
+    local still = sw_still_counted(st, now)
+    local counts = {}
+    for i = 1, n + 1 do counts[i] = 0 end
+    counts[n + 1] = still
+    st.start, st.counts, st.period, st.valid_from = window, counts, period, valid_from
+  end
+  if window > st.start then
+    local steps = (window - st.start) / width
+    local len = #st.counts
+    for i = 1, len do
+      if i + steps <= len then
+        st.counts[i] = st.counts[i + steps]
+      else
+        st.counts[i] = 0
+      end
+    end
+    st.start = window
+  end
+end
+
+local function sw_weighted(st, now, w_ms)
+  local elapsed_ms = math.min(math.floor(math.max(now - st.start, 0) / 1000), w_ms)
+  local newer = 0
+  for i = 2, #st.counts do newer = newer + st.counts[i] end
+  return st.counts[1] * (w_ms - elapsed_ms) + newer * w_ms
+end
+
+local function sw_empty_from(st, now)
+  local width, len = sw_width(st), #st.counts
+  for i = len, 1, -1 do
+    if st.counts[i] > 0 then return st.start - (len - i) * width + st.period + width end
+  end
+  return now
 end
 
 local function sw_retry_at(st, q, cost)
-  local period, limit = q.period, q.limit
-  local p_ms = period / 1000
-  if st.previous > 0 and st.current + cost <= limit then
-    local room = (limit - st.current - cost) * p_ms
-    local e = math.max(p_ms - math.floor(room / st.previous), 0)
-    if e < p_ms then return st.start + e * 1000 end
+  local width = q.period / q.sub_windows
+  local w_ms = width / 1000
+  local limit = q.limit
+  local len = #st.counts
+  for ahead = 0, len - 1 do
+    local oldest = st.counts[ahead + 1]
+    local newer = 0
+    for i = ahead + 2, len do newer = newer + st.counts[i] end
+    if newer + cost <= limit then
+      local room = (limit - newer - cost) * w_ms
+      local e = 0
+      if oldest > 0 then e = w_ms - math.min(math.floor(room / oldest), w_ms) end
+      if e < w_ms then return st.start + ahead * width + e * 1000 end
+    end
   end
-  local e = 0
-  if st.current > 0 then
-    e = p_ms - math.min(math.floor((limit - cost) * p_ms / st.current), p_ms)
-  end
-  return st.start + period + e * 1000
+  return st.start + len * width
 end
 
 function sliding_window.decide(st, now, q, cost)
+  sw_roll(st, now, q)
   local period, limit = q.period, q.limit
-  local p_ms = period / 1000
-  local window = now - (now % period)
-  if st.period ~= period then
-    -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
-    if st.period ~= 0 then
-      st.dirty = true
-      st.valid_from = now
-    end
-    local old = st.period
-    local previous, current = 0, 0
-    if now < st.start + old then previous = st.previous end
-    if now < st.start + 2 * old then current = st.current end
-    st.start, st.previous, st.current, st.period = window, 0, previous + current, period
-  end
-  if window > st.start then
-    if window == st.start + period then
-      st.previous = st.current
-    else
-      st.previous = 0
-    end
-    st.current = 0
-    st.start = window
-  end
-  local elapsed_ms = math.min(math.floor(math.max(now - st.start, 0) / 1000), p_ms)
-  local weighted = st.previous * (p_ms - elapsed_ms) + st.current * p_ms
-  local capacity = limit * p_ms
-  local remaining = math.floor(math.max(capacity - weighted, 0) / p_ms)
-  local reset_after = sw_reset_after(st, now, period)
+  local width = period / q.sub_windows
+  local w_ms = width / 1000
+  local weighted = sw_weighted(st, now, w_ms)
+  local capacity = limit * w_ms
+  local remaining = math.floor(math.max(capacity - weighted, 0) / w_ms)
+  local reset_after = math.max(sw_empty_from(st, now) - now, 0)
   if cost > limit then return { 0, limit, remaining, reset_after, -1 } end
-  if weighted + cost * p_ms <= capacity then
-    return { 1, limit, remaining - cost, math.max(st.start + 2 * period - now, 0), -1 }
+  if weighted + cost * w_ms <= capacity then
+    return { 1, limit, remaining - cost, math.max(st.start + period + width - now, 0), -1 }
   end
-  return { 0, limit, remaining, reset_after, sw_retry_at(st, q, cost) - now }
+  return { 0, limit, remaining, reset_after, math.max(sw_retry_at(st, q, cost) - now, 0) }
 end
 
 function sliding_window.taken(st, now, cost)
@@ -80,40 +124,46 @@ function sliding_window.taken(st, now, cost)
 end
 
 function sliding_window.commit(st, now, q, cost)
-  st.current = st.current + cost
+  local len = #st.counts
+  st.counts[len] = st.counts[len] + cost
   return sliding_window.taken(st, now, cost)
 end
 
 function sliding_window.refund(st, now, q, at, cost)
-  if at < st.valid_from or st.period == 0 then return end
-  local window = at - (at % st.period)
-  if window == st.start then
-    st.current = math.max(st.current - cost, 0)
-  elseif window + st.period == st.start then
-    st.previous = math.max(st.previous - cost, 0)
+  local width = sw_width(st)
+  if at < st.valid_from or width == 0 then return end
+  local window = at - (at % width)
+  if window > st.start then return end
+  local back = (st.start - window) / width
+  local len = #st.counts
+  if back < len then
+    local i = len - back
+    st.counts[i] = math.max(st.counts[i] - cost, 0)
   end
 end
 
 function sliding_window.save(st, now, q)
   local expires_at = 0
-  if st.current > 0 then
-    expires_at = st.start + 2 * q.period
-  elseif st.previous > 0 then
-    expires_at = st.start + q.period
+  for i = 1, #st.counts do
+    if st.counts[i] > 0 then
+      expires_at = sw_empty_from(st, now)
+      break
+    end
   end
   if expires_at > now then
-    redis.call('HSET', st.key, 's', int(st.start), 'p', int(st.previous), 'c', int(st.current),
+    redis.call('HSET', st.key, 's', int(st.start), 'b', cmsgpack.pack(st.counts),
       'w', int(st.period), 'v', int(st.valid_from))
+    if st.legacy then redis.call('HDEL', st.key, 'p', 'c') end
   end
   expire_at(st.key, expires_at, now)
 end
 
 function sliding_window.lease(st, now, q, max, max_validity)
-  local p_ms = q.period / 1000
-  local elapsed_ms = math.min(math.floor(math.max(now - st.start, 0) / 1000), p_ms)
-  local weighted = st.previous * (p_ms - elapsed_ms) + st.current * p_ms
-  local room = math.floor(math.max(q.limit * p_ms - weighted, 0) / p_ms)
+  local width = q.period / q.sub_windows
+  local w_ms = width / 1000
+  local room = math.floor(math.max(q.limit * w_ms - sw_weighted(st, now, w_ms), 0) / w_ms)
   local permits = math.min(max, room)
-  st.current = st.current + permits
-  return permits, math.min(now + max_validity, st.start + q.period), sliding_window.taken(st, now, permits)
+  local len = #st.counts
+  st.counts[len] = st.counts[len] + permits
+  return permits, math.min(now + max_validity, st.start + width), sliding_window.taken(st, now, permits)
 end
