@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Script};
+use redis::{FromRedisValue, RedisError, Script};
 use tokio::sync::OnceCell;
 
 use super::{BoxFuture, Check, Lease, Op, Refund, Store};
@@ -285,15 +285,13 @@ impl RedisStoreBuilder {
         if nodes.iter().any(|n| n.starts_with("rediss://")) || self.tls.is_some() {
             install_crypto();
         }
-        // Redirections (MOVED, ASK) and TRYAGAIN during a migration are retried at once or after
-        // a few milliseconds, within the decision's deadline (the default waits start at 1.28 s).
+        // No retries inside redis-rs: it would also resend a call after a broken connection,
+        // when the script may have run. The store follows redirections itself, within the
+        // decision's deadline (`follow_redirections`).
         #[allow(unused_mut)]
         let mut builder = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(self.connect_timeout)
-            .retries(2)
-            .min_retry_wait(1)
-            .max_retry_wait(10)
-            .retry_wait_formula(2, 2);
+            .retries(0);
         #[cfg(feature = "tls")]
         if let Some(certificates) = &self.tls {
             builder = builder.certs(certificates.clone());
@@ -566,6 +564,124 @@ impl RedisStore {
     }
 }
 
+fn push(args: &mut Vec<Vec<u8>>, arg: impl redis::ToRedisArgs) {
+    args.extend(arg.to_redis_args());
+}
+
+/// Redirections and refusals a cluster call follows. A slot migration causes MOVED then ASK,
+/// and TRYAGAIN until a multi-key call's keys have all moved; the waits (1, 2, 4, then 8 ms) add
+/// up to about 40 ms, and the decision's deadline bounds them anyway.
+const MAX_REDIRECTIONS: u32 = 8;
+
+/// Follow a cluster call's redirections (MOVED, ASK with `ASKING`) and answers that refused to run
+/// it (TRYAGAIN, CLUSTERDOWN, MASTERDOWN, LOADING). Every one of them means the script did not run,
+/// so sending it again is safe. Nothing else is sent again: after a broken connection or a timeout
+/// the script may have run, and running it twice would count twice (that is why redis-rs's own
+/// retries are off). A redirected call runs the script by its hash, its text going only to a node
+/// that answers NOSCRIPT; an error reply to a redirected call is followed like the first.
+async fn follow_redirections(
+    conn: &mut ClusterConnection,
+    script_hash: &str,
+    mut result: Result<Vec<i64>, RedisError>,
+    keys: &[Vec<u8>],
+    args: &[Vec<u8>],
+) -> Result<Vec<i64>, RedisError> {
+    use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+    use redis::RetryMethod;
+    let slot = keys.first().map_or(0, |k| slot(k));
+    for attempt in 0..MAX_REDIRECTIONS {
+        let Err(error) = &result else { break };
+        let method = error.retry_method();
+        let node = error.redirect_node().and_then(|(address, _)| {
+            let (host, port) = address.rsplit_once(':')?;
+            Some(SingleNodeRoutingInfo::ByAddress {
+                host: host
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned(),
+                port: port.parse().ok()?,
+            })
+        });
+        result = match (method, node) {
+            (RetryMethod::MovedRedirect, Some(node)) => {
+                tracing::debug!(slot, %error, "fleetlimit: cluster slot moved; following");
+                run_on(conn, node, false, script_hash, keys, args).await
+            }
+            (RetryMethod::AskRedirect, Some(node)) => {
+                tracing::debug!(slot, %error, "fleetlimit: cluster slot migrating; asking its new node");
+                run_on(conn, node, true, script_hash, keys, args).await
+            }
+            (RetryMethod::WaitAndRetry, _) => {
+                tracing::debug!(slot, %error, "fleetlimit: cluster slot unavailable for now; trying again");
+                tokio::time::sleep(Duration::from_millis(1 << attempt.min(3))).await;
+                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+                run_on(conn, route, false, script_hash, keys, args).await
+            }
+            _ => break,
+        };
+    }
+    result
+}
+
+/// The script on one node (after `ASKING` when `asking`): by its hash, and by its text only if
+/// that node has not loaded it yet (NOSCRIPT: nothing ran). Sending the text every time would
+/// cost every redirected call 22 KB to send and hash.
+async fn run_on(
+    conn: &mut ClusterConnection,
+    node: redis::cluster_routing::SingleNodeRoutingInfo,
+    asking: bool,
+    script_hash: &str,
+    keys: &[Vec<u8>],
+    args: &[Vec<u8>],
+) -> Result<Vec<i64>, RedisError> {
+    let call = |command: &str, body: &str| {
+        let mut cmd = redis::cmd(command);
+        cmd.arg(body).arg(keys.len()).arg(keys).arg(args);
+        cmd
+    };
+    let result = send(conn, &node, asking, call("EVALSHA", script_hash)).await;
+    if result
+        .as_ref()
+        .is_err_and(|e| e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript))
+    {
+        return send(conn, &node, asking, call("EVAL", SCRIPT)).await;
+    }
+    result
+}
+
+async fn send(
+    conn: &mut ClusterConnection,
+    node: &redis::cluster_routing::SingleNodeRoutingInfo,
+    asking: bool,
+    cmd: redis::Cmd,
+) -> Result<Vec<i64>, RedisError> {
+    use redis::cluster_routing::RoutingInfo;
+    if !asking {
+        return conn
+            .route_command(cmd, RoutingInfo::SingleNode(node.clone()))
+            .await
+            .and_then(numbers);
+    }
+    let mut pipe = redis::pipe();
+    pipe.cmd("ASKING").add_command(cmd);
+    conn.route_pipeline(pipe, 1, 1, node.clone())
+        .await
+        .and_then(|values| match <[redis::Value; 1]>::try_from(values) {
+            Ok([value]) => numbers(value),
+            Err(values) => Err(RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "ASKING pipeline",
+                format!("{} answers", values.len()),
+            ))),
+        })
+}
+
+/// The script's answer as numbers; an error reply (NOSCRIPT, MOVED, TRYAGAIN...) as the error
+/// it is, so it can be followed.
+fn numbers(value: redis::Value) -> Result<Vec<i64>, RedisError> {
+    Vec::<i64>::from_redis_value(value.extract_error()?).map_err(RedisError::from)
+}
+
 /// The key that makes a refund call count once however often it is sent: the first check's key
 /// (so the same hash tag and slot) and a token drawn for the call.
 fn once_key(mut first: Vec<u8>, token: &str) -> Vec<u8> {
@@ -652,47 +768,49 @@ impl Inner {
         anchors: &[u64],
         extra: Option<u64>,
     ) -> Result<Vec<i64>, StoreError> {
-        let mut invocation = self.script.prepare_invoke();
-        for c in checks {
-            invocation.key(redis_key(&self.prefix, c.rule, c.key));
-        }
+        let mut keys: Vec<Vec<u8>> = checks
+            .iter()
+            .map(|c| redis_key(&self.prefix, c.rule, c.key))
+            .collect();
         if op == "refund" {
-            if let Some(c) = checks.first() {
-                invocation.key(once_key(
-                    redis_key(&self.prefix, c.rule, c.key),
-                    &format!("{:016x}", once_token()),
-                ));
+            if let Some(first) = keys.first() {
+                keys.push(once_key(first.clone(), &format!("{:016x}", once_token())));
             }
         }
-        invocation.arg(op);
+        let mut args: Vec<Vec<u8>> = Vec::with_capacity(3 + 9 * checks.len());
+        push(&mut args, op);
         match &self.clock {
-            Some(clock) => invocation.arg(clock.now_us()),
-            None => invocation.arg(""),
+            Some(clock) => push(&mut args, clock.now_us()),
+            None => push(&mut args, ""),
         };
         for (i, c) in checks.iter().enumerate() {
             let q = c.rule.quota();
-            invocation
-                .arg(algorithm_code(q.algorithm()))
-                .arg(q.limit())
-                .arg(q.period_us())
-                .arg(q.burst())
-                .arg(q.emission_us())
-                .arg(q.token_units())
-                .arg(q.refill_units())
-                .arg(q.sub_windows())
-                .arg(c.cost);
+            push(&mut args, algorithm_code(q.algorithm()));
+            push(&mut args, q.limit());
+            push(&mut args, q.period_us());
+            push(&mut args, q.burst());
+            push(&mut args, q.emission_us());
+            push(&mut args, q.token_units());
+            push(&mut args, q.refill_units());
+            push(&mut args, q.sub_windows());
+            push(&mut args, c.cost);
             match anchors.get(i) {
-                Some(at) => invocation.arg(*at),
-                None => invocation.arg(""),
+                Some(at) => push(&mut args, *at),
+                None => push(&mut args, ""),
             };
         }
         if let Some(extra) = extra {
-            invocation.arg(extra);
+            push(&mut args, extra);
         }
+        let mut invocation = self.script.prepare_invoke();
+        invocation.key(&keys).arg(&args);
         let result = match self.connection().await? {
             Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
             Ready::Cluster(mut conn) => {
                 let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
+                let result =
+                    follow_redirections(&mut conn, self.script.get_hash(), result, &keys, &args)
+                        .await;
                 // A node that stopped answering (a master killed before its replica took over):
                 // the next call connects again and learns the new slot map.
                 if result.as_ref().is_err_and(|e| {
