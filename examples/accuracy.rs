@@ -44,23 +44,11 @@ pub struct Report {
     pub worst_window: u64,
 }
 
-/// SplitMix64: a small, good, dependency-free PRNG.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-}
+/// The realistic-trace replay (its PRNG is shared).
+#[path = "trace.rs"]
+#[allow(dead_code)]
+pub mod trace;
+use trace::Rng;
 
 /// Demand per key as a multiple of its limit: below, at and above.
 pub const DEMAND: [f64; 7] = [0.25, 0.5, 0.9, 1.0, 1.1, 2.0, 5.0];

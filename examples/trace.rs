@@ -68,11 +68,12 @@ impl Default for TraceSpec {
     }
 }
 
-/// SplitMix64: a small, good, dependency-free PRNG.
-struct Rng(u64);
+/// SplitMix64: a small, good, dependency-free PRNG (the replays share it).
+pub struct Rng(pub u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -81,8 +82,8 @@ impl Rng {
     }
 
     /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    pub fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
     }
 
     /// Exponential with the given mean.

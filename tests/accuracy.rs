@@ -33,8 +33,7 @@ fn counter_is_exact_below_the_limit_and_bounded_above_it() {
     assert!(all.wrongly_allowed > 0 && all.wrongly_denied > 0, "{all:?}");
 }
 
-#[path = "../examples/trace.rs"]
-mod trace;
+use accuracy::trace;
 
 /// On the realistic trace (heavy-tailed rates, bursty clients), the default sub-windows beat the
 /// two-counter version on every score, the sliding log is exact, and the window and bucket
