@@ -22,6 +22,7 @@ mod lease_config;
 mod leases;
 mod policy;
 mod rate;
+mod waiting;
 
 pub use breaker::BreakerConfig;
 use breaker::Breakers;
@@ -131,6 +132,8 @@ struct Inner {
     leases: Leases,
     denials: Option<DenialCache>,
     degraded: AtomicU64,
+    /// Callers of [`Limiter::until_ready`] waiting their turn, per key.
+    lines: waiting::Lines,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -194,6 +197,69 @@ impl Limiter {
         let decisions = self.apply_indexed(Op::Consume, &targets, cost).await?;
         let receipt = self.receipt(&targets, &decisions);
         Ok((most_restrictive(decisions)?, receipt))
+    }
+
+    /// Wait until `cost` permits are admitted for `key`, for at most `max_wait`: for calls *to*
+    /// a rate-limited service (a partner API's quota shared by the fleet), where the caller
+    /// would rather wait its turn than be refused.
+    ///
+    /// Returns the admitting decision, or, as soon as it is known that `max_wait` is not enough
+    /// (the store's `retry_after` ends past it, the cost can never be admitted, or the outage
+    /// policy refused), that denial, without waiting in vain. Within this process, callers
+    /// waiting on one key are served first come, first served; across the fleet every
+    /// admission is an ordinary decision, so the shared quota holds. Nobody polls the store:
+    /// the caller at the head of the line sleeps until the time the store named, then asks
+    /// once. Cancellation-safe: a dropped future holds no permit and no place in the line.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use fleetlimit::{Algorithm, Key, Limiter, MemoryStore, Quota, Rule};
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+    /// let limiter = Limiter::builder(MemoryStore::new())
+    ///     .rule(Rule::new("partner", Quota::per_second(20).algorithm(Algorithm::Gcra).burst(1).build()?)?)
+    ///     .build()?;
+    /// let partner = Key::new("api.partner.example");
+    /// for _ in 0..3 {
+    ///     // Each call waits its turn: 50 ms apart.
+    ///     assert!(limiter.until_ready(&partner, 1, Duration::from_secs(1)).await?.allowed);
+    /// }
+    /// // Not worth waiting 50 ms for with a budget of 1 ms: refused at once.
+    /// assert!(!limiter.until_ready(&partner, 1, Duration::from_millis(1)).await?.allowed);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn until_ready(
+        &self,
+        key: &Key,
+        cost: u64,
+        max_wait: Duration,
+    ) -> Result<Decision, Error> {
+        let give_up = tokio::time::Instant::now() + max_wait;
+        let place = self.inner.lines.join(key);
+        let turn = tokio::time::timeout_at(give_up, place.turn()).await;
+        let Ok(_turn) = turn else {
+            // The callers ahead used the whole wait: a denial taking nothing, with the store's
+            // view of when a permit would come (callers still ahead may take it first).
+            let mut now = self.peek(key).await?;
+            now.allowed = false;
+            now.retry_after = Some(now.retry_after.unwrap_or(Duration::ZERO));
+            return Ok(now);
+        };
+        loop {
+            let decision = self.consume(key, cost).await?;
+            // The store named a time; the outage policy's refusals and costs that never fit did
+            // not, and waiting would not change them.
+            let wake = match decision.retry_after {
+                Some(retry) if !decision.allowed && !decision.degraded => {
+                    tokio::time::Instant::now() + retry
+                }
+                _ => return Ok(decision),
+            };
+            if wake > give_up {
+                return Ok(decision);
+            }
+            tokio::time::sleep_until(wake).await;
+        }
     }
 
     /// Give back what an admission took, as far as it is still outstanding: a window's permits

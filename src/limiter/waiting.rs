@@ -1,0 +1,100 @@
+//! Waiting for a quota instead of being refused ([`Limiter::until_ready`]): one line per key in
+//! this process, served first come, first served. Nobody polls the store: the waiter at the head
+//! of the line asks once, sleeps until the time the store named, and asks again.
+//!
+//! [`Limiter::until_ready`]: super::Limiter::until_ready
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::Key;
+
+/// The lines of waiters, per key. A key's line lives while someone is in it.
+#[derive(Default)]
+pub(crate) struct Lines {
+    lines: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// A place in a key's line; leaving it (dropping it, or the future holding it) lets the next one
+/// on, and the last one out takes the line away.
+pub(crate) struct Place<'a> {
+    lines: &'a Lines,
+    key: Key,
+    line: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Lines {
+    /// Join `key`'s line: [`Place::line`] is its turn, in order of joining (tokio's mutex is
+    /// fair).
+    pub(crate) fn join(&self, key: &Key) -> Place<'_> {
+        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        let line = lines.entry(key.clone()).or_default().clone();
+        Place {
+            lines: self,
+            key: key.clone(),
+            line,
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+impl Place<'_> {
+    /// Wait for this place's turn.
+    pub(crate) async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.line.lock().await
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let mut lines = self.lines.lines.lock().unwrap_or_else(|e| e.into_inner());
+        // Places are made and dropped under this lock: two references left are the map's and
+        // this one's, so nobody else is in the line.
+        if Arc::strong_count(&self.line) == 2 {
+            lines.remove(&self.key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_line_per_key_served_in_order_gone_when_empty() {
+        // 'static, for the spawned waiters.
+        let lines: &'static Lines = Box::leak(Box::default());
+        let key = Key::new("partner");
+        let head = lines.join(&key);
+        let turn = head.turn().await;
+        // Another key's line is free while this one is held.
+        let other = lines.join(&Key::new("other"));
+        drop(other.turn().await);
+        drop(other);
+        let served = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for n in 0..3 {
+            let (place, served) = (lines.join(&key), served.clone());
+            waiters.push(tokio::spawn(async move {
+                let _turn = place.turn().await;
+                served.lock().unwrap().push(n);
+            }));
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            served.lock().unwrap().is_empty(),
+            "all wait behind the head"
+        );
+        drop(turn);
+        drop(head);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        assert_eq!(*served.lock().unwrap(), vec![0, 1, 2]);
+        assert_eq!(lines.len(), 0);
+    }
+}

@@ -1,0 +1,144 @@
+//! Waiting for a quota (`Limiter::until_ready`): first come, first served, at the quota's pace,
+//! refused at once when the wait would not do, and cancellation-safe. Time is tokio's paused
+//! clock, which the store reads too, so no test sleeps for real.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fleetlimit::{Algorithm, Clock, Key, Limiter, MemoryStore, Quota, Rule};
+use tokio::time::Instant;
+
+/// The store's clock, on tokio's (paused) time.
+#[derive(Debug)]
+struct TokioClock {
+    start: Instant,
+}
+
+impl Clock for TokioClock {
+    fn now_us(&self) -> u64 {
+        1_735_689_600_000_000 + self.start.elapsed().as_micros() as u64
+    }
+}
+
+/// 10 per second, one at a time: a permit every 100 ms.
+fn limiter() -> Limiter {
+    let store = MemoryStore::builder()
+        .clock(TokioClock {
+            start: Instant::now(),
+        })
+        .build()
+        .unwrap();
+    let quota = Quota::per_second(10)
+        .algorithm(Algorithm::Gcra)
+        .burst(1)
+        .build()
+        .unwrap();
+    Limiter::builder(store)
+        .rule(Rule::new("partner", quota).unwrap())
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_are_served_in_order_at_the_quota_pace() {
+    let limiter = limiter();
+    let start = Instant::now();
+    let key = Key::new("api.partner.example");
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for n in 0..5u32 {
+        let (limiter, key, served) = (limiter.clone(), key.clone(), served.clone());
+        waiters.push(tokio::spawn(async move {
+            let d = limiter
+                .until_ready(&key, 1, Duration::from_secs(2))
+                .await
+                .unwrap();
+            assert!(d.allowed, "{n}: {d:?}");
+            served.lock().unwrap().push((n, start.elapsed()));
+        }));
+        // Joined in this order.
+        tokio::task::yield_now().await;
+    }
+    for w in waiters {
+        w.await.unwrap();
+    }
+    let served = served.lock().unwrap().clone();
+    let order: Vec<u32> = served.iter().map(|(n, _)| *n).collect();
+    assert_eq!(order, vec![0, 1, 2, 3, 4], "first come, first served");
+    for (i, (_, at)) in served.iter().enumerate() {
+        // One permit every 100 ms, each taken as soon as it is there.
+        assert_eq!(at.as_millis(), 100 * i as u128, "{served:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_past_the_budget_is_refused_at_once() {
+    let limiter = limiter();
+    let key = Key::new("api.partner.example");
+    assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+    let start = Instant::now();
+    let d = limiter
+        .until_ready(&key, 1, Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    assert_eq!(start.elapsed(), Duration::ZERO, "no wait in vain");
+    assert_eq!(d.retry_after, Some(Duration::from_millis(100)));
+    // A cost that never fits is refused at once too.
+    let d = limiter
+        .until_ready(&key, 2, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    // With enough budget, the same call waits and is admitted.
+    let d = limiter
+        .until_ready(&key, 1, Duration::from_millis(100))
+        .await
+        .unwrap();
+    assert!(d.allowed);
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_waiter_takes_nothing_and_leaves_the_line() {
+    let limiter = limiter();
+    let key = Key::new("api.partner.example");
+    let start = Instant::now();
+    assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+    // A waiter given up on after 30 ms (its caller timed out): it held the head of the line.
+    let impatient = tokio::time::timeout(
+        Duration::from_millis(30),
+        limiter.until_ready(&key, 1, Duration::from_secs(5)),
+    )
+    .await;
+    assert!(impatient.is_err());
+    // The next one is served when the permit comes, 100 ms after the first: the dropped waiter
+    // took nothing, and its place is gone.
+    let d = limiter
+        .until_ready(&key, 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(d.allowed);
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    // A waiter dropped while behind another in the line does not block the ones after it.
+    let ahead = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(5)).await })
+    };
+    tokio::task::yield_now().await;
+    let behind = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(5)).await })
+    };
+    tokio::task::yield_now().await;
+    behind.abort();
+    assert!(ahead.await.unwrap().unwrap().allowed);
+    assert_eq!(start.elapsed(), Duration::from_millis(200));
+    let d = limiter
+        .until_ready(&key, 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(d.allowed);
+    assert_eq!(start.elapsed(), Duration::from_millis(300));
+}
