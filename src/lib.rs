@@ -49,6 +49,7 @@ mod error;
 pub mod key;
 pub mod layer;
 mod limiter;
+pub mod outbound;
 mod quota;
 mod rule;
 pub mod store;

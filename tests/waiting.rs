@@ -142,3 +142,23 @@ async fn a_dropped_waiter_takes_nothing_and_leaves_the_line() {
     assert!(d.allowed);
     assert_eq!(start.elapsed(), Duration::from_millis(300));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_pause_lasts_as_long_as_it_was_set_for() {
+    let limiter = limiter();
+    let key = Key::new("api.partner.example");
+    assert_eq!(limiter.paused_for(&key).await, None);
+    limiter.pause(&key, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(limiter.paused_for(&key).await, Some(Duration::from_secs(2)));
+    assert_eq!(limiter.paused_for(&Key::new("other")).await, None);
+    tokio::time::advance(Duration::from_millis(1_500)).await;
+    assert_eq!(
+        limiter.paused_for(&key).await,
+        Some(Duration::from_millis(500))
+    );
+    // A later pause replaces it.
+    limiter.pause(&key, Duration::from_secs(1)).await.unwrap();
+    assert_eq!(limiter.paused_for(&key).await, Some(Duration::from_secs(1)));
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(limiter.paused_for(&key).await, None);
+}

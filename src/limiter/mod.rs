@@ -262,6 +262,34 @@ impl Limiter {
         }
     }
 
+    /// Pause `key` under every rule for the whole fleet, for `pause`: what a destination's
+    /// pushback does through [`OutboundLayer`](crate::outbound::OutboundLayer), which waits out
+    /// pauses before calling. Within the decision deadline per rule.
+    pub async fn pause(&self, key: &Key, pause: Duration) -> Result<(), Error> {
+        let deadline = self.inner.deadline;
+        for rule in self.inner.rules.iter() {
+            tokio::time::timeout(deadline, self.inner.store.pause(rule, key, pause))
+                .await
+                .map_err(|_| StoreError::Timeout(deadline))??;
+        }
+        Ok(())
+    }
+
+    /// How long `key` stays paused (the longest over its rules); `None` when it is not, or when
+    /// the store cannot say within the deadline (the decision that follows goes through the
+    /// outage policy anyway).
+    pub async fn paused_for(&self, key: &Key) -> Option<Duration> {
+        let mut longest = None;
+        for rule in self.inner.rules.iter() {
+            let read =
+                tokio::time::timeout(self.inner.deadline, self.inner.store.paused_for(rule, key));
+            if let Ok(Ok(Some(left))) = read.await {
+                longest = longest.max(Some(left));
+            }
+        }
+        longest
+    }
+
     /// Give back what an admission took, as far as it is still outstanding: a window's permits
     /// while that window lasts, a log's own entries, a bucket's debt not yet refilled. Nothing
     /// is created: had the request never come, the state would hold at least as much.

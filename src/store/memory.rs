@@ -21,7 +21,7 @@ use hashbrown::{DefaultHashBuilder, HashTable};
 use super::{BoxFuture, Check, Lease, Op, Refund, Store};
 use crate::algorithm::State;
 use crate::error::ConfigError;
-use crate::{Clock, Decision, Quota, StoreError, SystemClock};
+use crate::{Clock, Decision, Key, Quota, Rule, StoreError, SystemClock};
 
 /// The default maximum number of (rule, key) entries kept.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -70,6 +70,8 @@ struct Inner {
     clock: Arc<dyn Clock>,
     shard_capacity: usize,
     overflow: Overflow,
+    /// Pauses per (rule, key), until when (µs): few, short-lived, pruned on every new one.
+    pauses: Mutex<std::collections::HashMap<(Arc<str>, Key), u64>>,
 }
 
 struct Shard {
@@ -288,6 +290,7 @@ impl MemoryStoreBuilder {
                 clock: self.clock,
                 shard_capacity,
                 overflow: self.overflow,
+                pauses: Mutex::new(std::collections::HashMap::new()),
             }),
         }
     }
@@ -713,6 +716,34 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
         let decisions = self.inner.apply(op, checks);
         Box::pin(std::future::ready(Ok(decisions)))
+    }
+
+    fn pause<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let now = self.inner.clock.now_us();
+        let until = now.saturating_add(pause.as_micros().min(u128::from(u64::MAX)) as u64);
+        let mut pauses = self.inner.pauses.lock();
+        pauses.retain(|_, until| *until > now);
+        pauses.insert((rule.shared_name().clone(), key.clone()), until);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn paused_for<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+    ) -> BoxFuture<'a, Result<Option<Duration>, StoreError>> {
+        let now = self.inner.clock.now_us();
+        let pauses = self.inner.pauses.lock();
+        let left = pauses
+            .get(&(rule.shared_name().clone(), key.clone()))
+            .filter(|until| **until > now)
+            .map(|until| Duration::from_micros(until - now));
+        Box::pin(std::future::ready(Ok(left)))
     }
 }
 

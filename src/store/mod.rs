@@ -114,6 +114,22 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
         refunds: &'a [Refund<'a>],
     ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>>;
 
+    /// Pause `key` under `rule` for the whole fleet for `pause` (a destination's pushback, see
+    /// [`outbound`](crate::outbound)); a later pause replaces an earlier one.
+    fn pause<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// How long `key` under `rule` stays paused; `None` when it is not.
+    fn paused_for<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+    ) -> BoxFuture<'a, Result<Option<Duration>, StoreError>>;
+
     /// Decide right now, without a future, when the store can (an in-process store); `None`
     /// means "await [`apply`](Store::apply)". Lets the layer skip a boxed future per request.
     #[doc(hidden)]

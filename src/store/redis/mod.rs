@@ -7,7 +7,7 @@
 //!
 //! Key layout: `<prefix>{<key>}:<rule>:<algorithm>`. Key and rule are percent-encoded, so `:`,
 //! `{` and `}` never appear inside them and no two (rule, key) pairs share a Redis key; keys over
-//! 128 bytes were already replaced by their SHA-256 (see [`Key`](crate::Key)). The hash tag is
+//! 128 bytes were already replaced by their SHA-256 (see [`Key`]). The hash tag is
 //! the key, so all the rules on one key decide in one atomic call on a cluster too.
 //!
 //! The scripts need Redis 5.0 or newer (script effects replication, which lets a script read
@@ -24,7 +24,7 @@ use tokio::sync::OnceCell;
 use super::{BoxFuture, Check, Lease, Op, Refund, Store};
 use crate::algorithm::us;
 use crate::error::{ConfigError, Error};
-use crate::{Algorithm, Clock, Decision, StoreError, Taken};
+use crate::{Algorithm, Clock, Decision, Key, Rule, StoreError, Taken};
 
 mod keys;
 
@@ -857,6 +857,23 @@ impl Inner {
         result.map_err(store_error)
     }
 
+    /// One plain command (a pause and its reading; decisions go through the script).
+    async fn command<T: FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
+        match self.connection().await? {
+            Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
+            Ready::Cluster(mut conn) => cmd.query_async(&mut conn).await,
+            Ready::Shared(mut conn) => cmd.query_async(&mut conn).await,
+        }
+        .map_err(store_error)
+    }
+
+    /// The key holding a pause of `rule` for `key`: beside its state, in the same slot.
+    fn pause_key(&self, rule: &Rule, key: &Key) -> Vec<u8> {
+        let mut k = redis_key(&self.prefix, rule, key);
+        k.extend_from_slice(b":pause");
+        k
+    }
+
     /// A connection for one call, connecting first if needed (bounded by the connect timeout).
     async fn connection(&self) -> Result<Ready, StoreError> {
         let limit = self.connect_timeout;
@@ -1001,6 +1018,39 @@ fn parse_decisions(values: &[i64], checks: &[Check<'_>]) -> Result<Vec<Decision>
 }
 
 impl Store for RedisStore {
+    fn pause<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let ms = pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64;
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(self.inner.pause_key(rule, key))
+                .arg(1)
+                .arg("PX")
+                .arg(ms);
+            self.inner.command::<()>(cmd).await
+        })
+    }
+
+    fn paused_for<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+    ) -> BoxFuture<'a, Result<Option<Duration>, StoreError>> {
+        Box::pin(async move {
+            let mut cmd = redis::cmd("PTTL");
+            cmd.arg(self.inner.pause_key(rule, key));
+            let ms: i64 = self.inner.command(cmd).await?;
+            Ok(u64::try_from(ms)
+                .ok()
+                .filter(|&ms| ms > 0)
+                .map(Duration::from_millis))
+        })
+    }
+
     fn lease<'a>(
         &'a self,
         check: Check<'a>,

@@ -1,0 +1,308 @@
+//! Calls *to* a rate-limited service: a client-side Tower layer that waits for the fleet's shared
+//! quota before each call and turns the service's pushback into a pause for the whole fleet.
+//!
+//! ```
+//! # use std::time::Duration;
+//! # use fleetlimit::{Algorithm, Limiter, MemoryStore, Quota, Rule};
+//! use fleetlimit::outbound::OutboundLayer;
+//! # fn client<S>(http_client: S) -> Result<(), Box<dyn std::error::Error>> {
+//! let partner = Limiter::builder(MemoryStore::new())
+//!     .rule(Rule::new("partner", Quota::per_second(100).algorithm(Algorithm::Gcra).burst(5).build()?)?)
+//!     .build()?;
+//! // Keyed by the destination's host and port; each call waits at most 2 s for its turn.
+//! let client = tower::ServiceBuilder::new()
+//!     .layer(OutboundLayer::new(partner).max_wait(Duration::from_secs(2)))
+//!     .service(http_client);
+//! # let _ = client;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, Request, Response, StatusCode};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::{Key, Limiter};
+
+/// An error of an outbound call: the caller's, or the inner client's.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The fleet's quota for the destination was not available within the wait budget.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the quota for this destination is not available within the wait budget (next in {retry_after:?})")]
+pub struct NotReady {
+    /// When a permit is expected, as far as is known (others may be ahead).
+    pub retry_after: Option<Duration>,
+}
+
+type KeyFn = dyn Fn(&http::request::Parts) -> Key + Send + Sync;
+
+/// Waits for the fleet's quota before each call through it, and pauses the destination for the
+/// whole fleet when it pushes back. See the [module](self).
+#[derive(Clone)]
+pub struct OutboundLayer {
+    limiter: Limiter,
+    key: Arc<KeyFn>,
+    max_wait: Duration,
+}
+
+impl std::fmt::Debug for OutboundLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboundLayer")
+            .field("limiter", &self.limiter)
+            .field("max_wait", &self.max_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OutboundLayer {
+    /// Calls through `limiter`'s rules, keyed by the request URI's host and port, waiting at
+    /// most 1 s for a turn.
+    pub fn new(limiter: Limiter) -> Self {
+        OutboundLayer {
+            limiter,
+            key: Arc::new(|parts: &http::request::Parts| {
+                Key::new(
+                    parts
+                        .uri
+                        .authority()
+                        .map_or("", |a| a.as_str())
+                        .to_ascii_lowercase(),
+                )
+            }),
+            max_wait: Duration::from_secs(1),
+        }
+    }
+
+    /// Key calls by `key` instead (an account at the destination, an endpoint...).
+    pub fn key(
+        mut self,
+        key: impl Fn(&http::request::Parts) -> Key + Send + Sync + 'static,
+    ) -> Self {
+        self.key = Arc::new(key);
+        self
+    }
+
+    /// The longest a call waits for its turn (and for a pause to end) before failing with
+    /// [`NotReady`].
+    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+        self.max_wait = max_wait;
+        self
+    }
+}
+
+impl<S> Layer<S> for OutboundLayer {
+    type Service = Outbound<S>;
+
+    fn layer(&self, inner: S) -> Outbound<S> {
+        Outbound {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service made by [`OutboundLayer`].
+#[derive(Clone, Debug)]
+pub struct Outbound<S> {
+    inner: S,
+    layer: OutboundLayer,
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Outbound<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    ReqBody: Send + 'static,
+    ResBody: Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<ResBody>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The inner service was driven to readiness: keep that instance for this call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let layer = self.layer.clone();
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let key = (layer.key)(&parts);
+            layer.turn(&key).await?;
+            let response = inner
+                .call(Request::from_parts(parts, body))
+                .await
+                .map_err(Into::into)?;
+            if let Some(pause) = pushback(response.status(), response.headers(), SystemTime::now())
+            {
+                tracing::info!(
+                    pause = ?pause,
+                    status = response.status().as_u16(),
+                    "fleetlimit: the destination pushed back; pausing its quota for the fleet"
+                );
+                // A failed pause leaves the quota as it is: the destination will say it again.
+                let _ = layer.limiter.pause(&key, pause).await;
+            }
+            Ok(response)
+        })
+    }
+}
+
+impl OutboundLayer {
+    /// Wait out a pause the fleet set for `key`, then for a permit, all within `max_wait`. A
+    /// pause set while this caller waited for its permit (another instance was told to stop)
+    /// wins: the permit is forfeited, and the caller waits the pause out and queues again, so
+    /// nobody calls during a pause and the callers do not all rush in when it ends.
+    async fn turn(&self, key: &Key) -> Result<(), NotReady> {
+        let give_up = tokio::time::Instant::now() + self.max_wait;
+        loop {
+            if let Some(paused) = self.limiter.paused_for(key).await {
+                let until = tokio::time::Instant::now() + paused;
+                if until > give_up {
+                    return Err(NotReady {
+                        retry_after: Some(paused),
+                    });
+                }
+                tokio::time::sleep_until(until).await;
+            }
+            let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+            match self.limiter.until_ready(key, 1, left).await {
+                Ok(d) if d.allowed => {}
+                Ok(d) => {
+                    return Err(NotReady {
+                        retry_after: d.retry_after,
+                    })
+                }
+                Err(_) => return Err(NotReady { retry_after: None }),
+            }
+            if self.limiter.paused_for(key).await.is_none() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// How long the destination asks the fleet to stop, from its answer: a 429 or 503 with
+/// `Retry-After` (seconds or an HTTP date), or rate-limit headers saying nothing is left
+/// (`RateLimit: ...;r=0;t=N`, `RateLimit-Remaining: 0` with `RateLimit-Reset: N`, or the same
+/// with `X-RateLimit-`). `None` when it does not.
+pub fn pushback(status: StatusCode, headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    let seconds = |v: &str| v.parse::<u64>().ok().map(Duration::from_secs);
+    if matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+    ) {
+        if let Some(v) = text("retry-after") {
+            let pause = seconds(v).or_else(|| {
+                httpdate::parse_http_date(v)
+                    .ok()
+                    .map(|at| at.duration_since(now).unwrap_or(Duration::ZERO))
+            });
+            if pause.is_some() {
+                return pause;
+            }
+        }
+    }
+    // IETF draft: `RateLimit: "policy";r=0;t=5` (remaining r, reset t seconds).
+    if let Some(v) = text("ratelimit") {
+        let param = |name: &str| {
+            v.split([';', ','])
+                .filter_map(|p| p.trim().strip_prefix(name)?.strip_prefix('='))
+                .find_map(|n| n.trim().parse::<u64>().ok())
+        };
+        if let (Some(0), Some(t)) = (param("r"), param("t")) {
+            return Some(Duration::from_secs(t));
+        }
+    }
+    for prefix in ["ratelimit-", "x-ratelimit-"] {
+        let remaining = text(&format!("{prefix}remaining")).and_then(|v| v.parse::<u64>().ok());
+        let reset = text(&format!("{prefix}reset")).and_then(|v| v.parse::<u64>().ok());
+        if let (Some(0), Some(reset)) = (remaining, reset) {
+            // Some services send the reset as a Unix time rather than a delay.
+            let epoch = now
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let delay = if reset > 1_000_000_000 {
+                reset.saturating_sub(epoch)
+            } else {
+                reset
+            };
+            return Some(Duration::from_secs(delay));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (n, v) in pairs {
+            h.insert(
+                http::HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn pushback_is_read_from_every_common_form() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let too_many = StatusCode::TOO_MANY_REQUESTS;
+        type Case<'a> = (StatusCode, &'a [(&'a str, &'a str)], Option<u64>);
+        let cases: [Case<'_>; 9] = [
+            (too_many, &[("retry-after", "2")], Some(2)),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                &[("retry-after", "Fri, 15 Jan 2027 08:00:10 GMT")],
+                Some(10),
+            ),
+            (too_many, &[("retry-after", "soon")], None),
+            (StatusCode::OK, &[("retry-after", "2")], None),
+            (StatusCode::OK, &[("ratelimit", "\"api\";r=0;t=7")], Some(7)),
+            (StatusCode::OK, &[("ratelimit", "\"api\";r=3;t=7")], None),
+            (
+                StatusCode::OK,
+                &[("ratelimit-remaining", "0"), ("ratelimit-reset", "4")],
+                Some(4),
+            ),
+            (
+                StatusCode::OK,
+                &[
+                    ("x-ratelimit-remaining", "0"),
+                    ("x-ratelimit-reset", "1800000009"),
+                ],
+                Some(9),
+            ),
+            (
+                StatusCode::OK,
+                &[("x-ratelimit-remaining", "5"), ("x-ratelimit-reset", "9")],
+                None,
+            ),
+        ];
+        for (status, pairs, expected) in cases {
+            let got = pushback(status, &headers(pairs), now);
+            assert_eq!(got, expected.map(Duration::from_secs), "{status} {pairs:?}");
+        }
+    }
+}
