@@ -222,6 +222,13 @@ pub fn configurations(limit: u64, period: Duration) -> Vec<(String, Quota)> {
         };
         out.push((label, build(q(Algorithm::SlidingWindow).sub_windows(n))));
     }
+    out.push((
+        format!(
+            "sliding window counter, {} sub-windows, bounded estimate",
+            fleetlimit::DEFAULT_SUB_WINDOWS
+        ),
+        build(q(Algorithm::SlidingWindow).estimate(fleetlimit::WindowEstimate::Bounded)),
+    ));
     out.push(("fixed window".into(), build(q(Algorithm::FixedWindow))));
     out.push((
         "token bucket (burst = limit)".into(),

@@ -66,8 +66,8 @@ pub use limiter::{
     OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE,
 };
 pub use quota::{
-    Algorithm, Quota, QuotaBuilder, DEFAULT_MAX_LOG_LEN, DEFAULT_SUB_WINDOWS, MAX_HEADER_INTEGER,
-    MAX_PERIOD, MAX_SUB_WINDOWS,
+    Algorithm, Quota, QuotaBuilder, WindowEstimate, DEFAULT_MAX_LOG_LEN, DEFAULT_SUB_WINDOWS,
+    MAX_HEADER_INTEGER, MAX_PERIOD, MAX_SUB_WINDOWS,
 };
 pub use rule::{Rule, MAX_RULE_NAME_LEN};
 #[cfg(feature = "redis")]

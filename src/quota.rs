@@ -27,6 +27,21 @@ pub const DEFAULT_SUB_WINDOWS: u64 = 20;
 /// The most sub-windows a sliding window counter may have (state and script time grow with it).
 pub const MAX_SUB_WINDOWS: u64 = 100;
 
+/// How the sliding window counter counts the sub-window sliding out of the period.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum WindowEstimate {
+    /// In proportion to how much of it the sliding window still covers (its permits assumed
+    /// spread evenly): errs both ways by at most that sub-window's count. The default.
+    #[default]
+    Weighted,
+    /// Whole, until it has slid out: **never more than the limit in any trailing period**; the
+    /// price is refusing, while a non-empty sub-window slides out, what its permits that have
+    /// already left the period would have allowed (a limit held over the period plus at most
+    /// one sub-window).
+    Bounded,
+}
+
 /// How permits are counted. Each has a promise, stated here and proved by the test suite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -136,6 +151,8 @@ pub struct Quota {
     refill_units: u64,
     /// The sliding window counter's sub-windows per period (1 for the other algorithms).
     sub_windows: u64,
+    /// How the sliding window counter counts the sub-window sliding out.
+    estimate: WindowEstimate,
 }
 
 impl Quota {
@@ -150,6 +167,7 @@ impl Quota {
             algorithm: Algorithm::default(),
             max_log_len: DEFAULT_MAX_LOG_LEN,
             sub_windows: None,
+            estimate: None,
         }
     }
 
@@ -204,6 +222,11 @@ impl Quota {
         self.sub_windows
     }
 
+    /// How the sliding window counter counts the sub-window sliding out.
+    pub fn estimate(&self) -> WindowEstimate {
+        self.estimate
+    }
+
     pub(crate) fn period_us(&self) -> u64 {
         self.period_us
     }
@@ -238,6 +261,7 @@ pub struct QuotaBuilder {
     algorithm: Algorithm,
     max_log_len: u64,
     sub_windows: Option<u64>,
+    estimate: Option<WindowEstimate>,
 }
 
 impl QuotaBuilder {
@@ -273,6 +297,14 @@ impl QuotaBuilder {
         self
     }
 
+    /// How the sliding window counter counts the sub-window sliding out (default
+    /// [`WindowEstimate::Weighted`]; [`WindowEstimate::Bounded`] never passes the limit in any
+    /// trailing period). Only valid for [`Algorithm::SlidingWindow`].
+    pub fn estimate(mut self, estimate: WindowEstimate) -> Self {
+        self.estimate = Some(estimate);
+        self
+    }
+
     /// Validate and build the quota.
     pub fn build(self) -> Result<Quota, ConfigError> {
         let QuotaBuilder {
@@ -282,6 +314,7 @@ impl QuotaBuilder {
             algorithm,
             max_log_len,
             sub_windows,
+            estimate,
         } = self;
         if limit == 0 {
             return Err(ConfigError::ZeroLimit);
@@ -351,6 +384,18 @@ impl QuotaBuilder {
                 )))
             }
         };
+        let estimate = match (algorithm, estimate) {
+            (Algorithm::SlidingWindow, e) => e.unwrap_or_default(),
+            (_, None) => WindowEstimate::default(),
+            (other, Some(_)) => {
+                return Err(ConfigError::Invalid {
+                    setting: "estimate",
+                    reason: format!(
+                    "the estimate is only meaningful for the sliding window counter, not {other}"
+                ),
+                })
+            }
+        };
         let mut emission_us = 0;
         let g = gcd(period_us, limit);
         let (token_units, refill_units) = (period_us / g, limit / g);
@@ -396,6 +441,7 @@ impl QuotaBuilder {
             token_units,
             refill_units,
             sub_windows,
+            estimate,
         })
     }
 }
@@ -520,7 +566,16 @@ mod tests {
         for a in Algorithm::ALL {
             let q = Quota::per_minute(10).algorithm(a);
             assert_eq!(n(q.clone()).unwrap() > 1, a == Algorithm::SlidingWindow);
-            assert_eq!(n(q.sub_windows(4)).is_ok(), a == Algorithm::SlidingWindow);
+            assert_eq!(
+                n(q.clone().sub_windows(4)).is_ok(),
+                a == Algorithm::SlidingWindow
+            );
+            let bounded = q.estimate(WindowEstimate::Bounded).build();
+            assert_eq!(
+                bounded.is_ok(),
+                a == Algorithm::SlidingWindow,
+                "{bounded:?}"
+            );
         }
     }
 

@@ -77,6 +77,9 @@ fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str) -> Rule {
                 1 => q = q.sub_windows(1),
                 _ => q = q.sub_windows(1 + rng.below(40)),
             }
+            if rng.below(2) == 0 {
+                q = q.estimate(fleetlimit::WindowEstimate::Bounded);
+            }
         }
         // Some large combinations are out of the exact range: draw again.
         if let Ok(q) = q.build() {

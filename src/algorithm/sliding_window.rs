@@ -27,7 +27,7 @@
 //! refuse a little longer than either quota would), never more permissive.
 
 use super::{never, receipt, us};
-use crate::{Algorithm, Decision, Quota, Taken};
+use crate::{Algorithm, Decision, Quota, Taken, WindowEstimate};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct SlidingWindow {
@@ -105,9 +105,13 @@ impl SlidingWindow {
         }
     }
 
-    /// `estimate × B`, with `B` the sub-window's width in ms.
-    fn weighted(&self, now: u64, w_ms: u64) -> u64 {
-        let elapsed_ms = (now.saturating_sub(self.start) / 1000).min(w_ms);
+    /// `estimate × B`, with `B` the sub-window's width in ms: the sliding-out sub-window by
+    /// what it still covers, or whole when the estimate is bounded.
+    fn weighted(&self, now: u64, quota: &Quota, w_ms: u64) -> u64 {
+        let elapsed_ms = match quota.estimate() {
+            WindowEstimate::Bounded => 0,
+            _ => (now.saturating_sub(self.start) / 1000).min(w_ms),
+        };
         let newer: u64 = self.counts[1..].iter().sum();
         // Every term is at most limit × B, which the quota keeps exact.
         self.counts[0] * (w_ms - elapsed_ms) + newer * w_ms
@@ -119,7 +123,7 @@ impl SlidingWindow {
         let width = period / quota.sub_windows();
         let w_ms = width / 1000;
         let limit = quota.limit();
-        let weighted = self.weighted(now, w_ms);
+        let weighted = self.weighted(now, quota, w_ms);
         let capacity = limit * w_ms;
         let remaining = capacity.saturating_sub(weighted) / w_ms;
         let reset_after = self.empty_from(now).saturating_sub(now);
@@ -151,9 +155,12 @@ impl SlidingWindow {
                 continue;
             }
             let room = (limit - newer - cost) * w_ms;
-            let e = match room.checked_div(oldest) {
-                Some(fits) => w_ms - fits.min(w_ms),
-                None => 0,
+            let e = match (room.checked_div(oldest), quota.estimate()) {
+                (None, _) => 0,
+                // Whole until it has slid out: it fits from the start of this position or not.
+                (Some(_), WindowEstimate::Bounded) if oldest * w_ms <= room => 0,
+                (Some(_), WindowEstimate::Bounded) => w_ms,
+                (Some(fits), _) => w_ms - fits.min(w_ms),
             };
             if e < w_ms {
                 return self.start + ahead as u64 * width + e * 1000;
@@ -209,7 +216,7 @@ impl SlidingWindow {
     pub(crate) fn lease(&mut self, now: u64, quota: &Quota, max: u64) -> (u64, u64) {
         let width = quota.period_us() / quota.sub_windows();
         let w_ms = width / 1000;
-        let room = (quota.limit() * w_ms).saturating_sub(self.weighted(now, w_ms)) / w_ms;
+        let room = (quota.limit() * w_ms).saturating_sub(self.weighted(now, quota, w_ms)) / w_ms;
         let permits = max.min(room);
         if let Some(current) = self.counts.last_mut() {
             *current += permits;
@@ -234,6 +241,14 @@ mod tests {
     /// The classic two-counter version: one sub-window per period.
     fn quota(limit: u64, period_ms: u64) -> crate::Quota {
         split(limit, period_ms, 1)
+    }
+
+    fn bounded(limit: u64, period_ms: u64, n: u64) -> crate::Quota {
+        crate::Quota::new(limit, ms(period_ms))
+            .sub_windows(n)
+            .estimate(crate::WindowEstimate::Bounded)
+            .build()
+            .expect("valid test quota")
     }
 
     fn split(limit: u64, period_ms: u64, n: u64) -> crate::Quota {
@@ -471,6 +486,43 @@ mod tests {
         #[test]
         fn retry_after_is_exact(limit in 1u64..20, period_ms in 1u64..50, n in 1u64..8, arrivals in arrivals_strategy(60, 30)) {
             check_retry_exact_over(&split(limit, period_ms, n), &arrivals)?;
+            check_retry_exact_over(&bounded(limit, period_ms, n), &arrivals)?;
+        }
+
+        /// The bounded estimate's promise: never more than the limit in any trailing period.
+        #[test]
+        fn bounded_never_passes_the_limit_in_any_trailing_period(
+            limit in 1u64..20,
+            period_ms in 1u64..50,
+            n in 1u64..8,
+            arrivals in arrivals_strategy(200, 30),
+        ) {
+            let q = bounded(limit, period_ms, n);
+            let admitted = run(&q, &arrivals);
+            prop_assert!(max_in_any_window(&admitted, q.period_us()) <= limit);
+        }
+
+        /// And it refuses only what it must: a request is admitted whenever everything admitted
+        /// from the start of the sliding-out sub-window on, plus it, fits.
+        #[test]
+        fn bounded_admits_exactly_what_its_estimate_allows(
+            limit in 1u64..20,
+            period_ms in 1u64..50,
+            n in 1u64..8,
+            arrivals in arrivals_strategy(200, 30),
+        ) {
+            let q = bounded(limit, period_ms, n);
+            let p = q.period_us();
+            let b = p / q.sub_windows();
+            run_against_reference(&q, &arrivals, |admitted, t, cost| {
+                let from = (t - t % b).saturating_sub(p);
+                let counted: u64 = admitted
+                    .iter()
+                    .filter(|(at, _)| *at >= from && *at <= t)
+                    .map(|(_, c)| c)
+                    .sum();
+                counted + cost <= q.limit()
+            })?;
         }
     }
 }

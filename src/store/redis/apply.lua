@@ -5,8 +5,8 @@
 -- ARGV[2]: now in µs since the epoch, or '' to read the server's clock (the fleet's one clock).
 -- ARGV[3 + 9(i-1) ...]: for check i: algorithm (1 fixed window, 2 sliding log, 3 sliding
 --   window, 4 token bucket, 5 gcra), limit, period (µs), burst, emission interval (µs),
---   token units, refill units, sub-windows, cost, and for 'refund' the receipt's anchor (µs;
---   else '').
+--   token units, refill units, sub-windows, bounded (1: the sliding window counter counts the
+--   sub-window sliding out whole), cost, and for 'refund' the receipt's anchor (µs; else '').
 -- For 'lease' (one check; its cost is the most permits wanted), the argument after the checks
 -- is the longest validity (µs).
 -- For 'refund', the last key (after the checks' keys, in their slot) is the call's once key: a
@@ -17,7 +17,7 @@
 -- was taken); for 'lease', then the permits granted, until when they are valid, for how long
 -- from now, and the block's anchor.
 local ALGORITHMS = { fixed_window, sliding_log, sliding_window, token_bucket, gcra }
-local PER_CHECK = 10
+local PER_CHECK = 11
 -- Longer than any resend can come after the first send (retries are immediate or follow a
 -- reconnection, both well within a decision's deadline).
 local ONCE_TTL_MS = 10000
@@ -50,6 +50,7 @@ for i = 1, nchecks do
     limit = tonumber(ARGV[a + 1]), period = tonumber(ARGV[a + 2]), burst = tonumber(ARGV[a + 3]),
     emission = tonumber(ARGV[a + 4]), token_units = tonumber(ARGV[a + 5]),
     refill_units = tonumber(ARGV[a + 6]), sub_windows = tonumber(ARGV[a + 7]),
+    bounded = ARGV[a + 8] == '1',
   }
   local alg = ALGORITHMS[tonumber(ARGV[a])]
   if alg == nil then return redis.error_reply('fleetlimit: unknown algorithm ' .. tostring(ARGV[a])) end
@@ -58,7 +59,7 @@ for i = 1, nchecks do
     st = alg.load(KEYS[i], q)
     states[KEYS[i]] = st
   end
-  checks[i] = { alg = alg, q = q, cost = tonumber(ARGV[a + 8]), at = tonumber(ARGV[a + 9]), st = st }
+  checks[i] = { alg = alg, q = q, cost = tonumber(ARGV[a + 9]), at = tonumber(ARGV[a + 10]), st = st }
 end
 
 local out = {}

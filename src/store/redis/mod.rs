@@ -529,6 +529,7 @@ impl RedisStore {
             q.token_units().to_string(),
             q.refill_units().to_string(),
             q.sub_windows().to_string(),
+            bounded(q).to_string(),
             check.cost.to_string(),
             String::new(),
         ]
@@ -707,6 +708,11 @@ fn op_name(op: Op) -> &'static str {
     }
 }
 
+/// The sliding window counter's estimate, as the script reads it: 1 when bounded.
+fn bounded(q: &crate::Quota) -> u8 {
+    u8::from(q.estimate() == crate::WindowEstimate::Bounded)
+}
+
 pub(crate) fn algorithm_code(a: Algorithm) -> u8 {
     match a {
         Algorithm::FixedWindow => 1,
@@ -793,6 +799,7 @@ impl Inner {
             push(&mut args, q.token_units());
             push(&mut args, q.refill_units());
             push(&mut args, q.sub_windows());
+            push(&mut args, bounded(q));
             push(&mut args, c.cost);
             match anchors.get(i) {
                 Some(at) => push(&mut args, *at),

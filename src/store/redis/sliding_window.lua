@@ -67,8 +67,11 @@ local function sw_roll(st, now, q)
   end
 end
 
-local function sw_weighted(st, now, w_ms)
-  local elapsed_ms = math.min(math.floor(math.max(now - st.start, 0) / 1000), w_ms)
+local function sw_weighted(st, now, q, w_ms)
+  local elapsed_ms = 0
+  if not q.bounded then
+    elapsed_ms = math.min(math.floor(math.max(now - st.start, 0) / 1000), w_ms)
+  end
   local newer = 0
   for i = 2, #st.counts do newer = newer + st.counts[i] end
   return st.counts[1] * (w_ms - elapsed_ms) + newer * w_ms
@@ -94,7 +97,13 @@ local function sw_retry_at(st, q, cost)
     if newer + cost <= limit then
       local room = (limit - newer - cost) * w_ms
       local e = 0
-      if oldest > 0 then e = w_ms - math.min(math.floor(room / oldest), w_ms) end
+      if oldest > 0 then
+        if not q.bounded then
+          e = w_ms - math.min(math.floor(room / oldest), w_ms)
+        elseif oldest * w_ms > room then
+          e = w_ms
+        end
+      end
       if e < w_ms then return st.start + ahead * width + e * 1000 end
     end
   end
@@ -106,7 +115,7 @@ function sliding_window.decide(st, now, q, cost)
   local period, limit = q.period, q.limit
   local width = period / q.sub_windows
   local w_ms = width / 1000
-  local weighted = sw_weighted(st, now, w_ms)
+  local weighted = sw_weighted(st, now, q, w_ms)
   local capacity = limit * w_ms
   local remaining = math.floor(math.max(capacity - weighted, 0) / w_ms)
   local reset_after = math.max(sw_empty_from(st, now) - now, 0)
@@ -161,7 +170,7 @@ end
 function sliding_window.lease(st, now, q, max, max_validity)
   local width = q.period / q.sub_windows
   local w_ms = width / 1000
-  local room = math.floor(math.max(q.limit * w_ms - sw_weighted(st, now, w_ms), 0) / w_ms)
+  local room = math.floor(math.max(q.limit * w_ms - sw_weighted(st, now, q, w_ms), 0) / w_ms)
   local permits = math.min(max, room)
   local len = #st.counts
   st.counts[len] = st.counts[len] + permits
