@@ -165,10 +165,10 @@ impl OutboundLayer {
     /// wins: the permit is forfeited, and the caller waits the pause out and queues again, so
     /// nobody calls during a pause and the callers do not all rush in when it ends.
     async fn turn(&self, key: &Key) -> Result<(), NotReady> {
-        let give_up = tokio::time::Instant::now() + self.max_wait;
+        let give_up = crate::limiter::waiting::after(self.max_wait);
         loop {
             if let Some(paused) = self.limiter.paused_for(key).await {
-                let until = tokio::time::Instant::now() + paused;
+                let until = crate::limiter::waiting::after(paused);
                 if until > give_up {
                     return Err(NotReady {
                         retry_after: Some(paused),

@@ -162,3 +162,17 @@ async fn a_pause_lasts_as_long_as_it_was_set_for() {
     tokio::time::advance(Duration::from_secs(1)).await;
     assert_eq!(limiter.paused_for(&key).await, None);
 }
+
+#[tokio::test(start_paused = true)]
+async fn any_budget_is_accepted() {
+    let limiter = limiter();
+    let key = Key::new("api.partner.example");
+    for budget in [Duration::ZERO, Duration::MAX] {
+        assert!(limiter.until_ready(&key, 1, budget).await.unwrap().allowed);
+        limiter.pause(&key, Duration::MAX).await.unwrap();
+        assert!(limiter.paused_for(&key).await.is_some());
+        limiter.pause(&key, Duration::ZERO).await.unwrap();
+        assert_eq!(limiter.paused_for(&key).await, None);
+        tokio::time::advance(Duration::from_millis(100)).await;
+    }
+}

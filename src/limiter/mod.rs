@@ -22,7 +22,7 @@ mod lease_config;
 mod leases;
 mod policy;
 mod rate;
-mod waiting;
+pub(crate) mod waiting;
 
 pub use breaker::BreakerConfig;
 use breaker::Breakers;
@@ -234,7 +234,7 @@ impl Limiter {
         cost: u64,
         max_wait: Duration,
     ) -> Result<Decision, Error> {
-        let give_up = tokio::time::Instant::now() + max_wait;
+        let give_up = waiting::after(max_wait);
         let place = self.inner.lines.join(key);
         let turn = tokio::time::timeout_at(give_up, place.turn()).await;
         let Ok(_turn) = turn else {
@@ -250,9 +250,7 @@ impl Limiter {
             // The store named a time; the outage policy's refusals and costs that never fit did
             // not, and waiting would not change them.
             let wake = match decision.retry_after {
-                Some(retry) if !decision.allowed && !decision.degraded => {
-                    tokio::time::Instant::now() + retry
-                }
+                Some(retry) if !decision.allowed && !decision.degraded => waiting::after(retry),
                 _ => return Ok(decision),
             };
             if wake > give_up {

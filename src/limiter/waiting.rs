@@ -6,8 +6,16 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::Key;
+
+/// `d` from now, or a century from now for a longer `d` (a caller's `Duration::MAX` must not
+/// overflow the clock).
+pub(crate) fn after(d: Duration) -> tokio::time::Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
+    tokio::time::Instant::now() + d.min(CENTURY)
+}
 
 /// The lines of waiters, per key. A key's line lives while someone is in it.
 #[derive(Default)]
