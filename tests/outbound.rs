@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use axum::response::IntoResponse;
 use axum::{routing::get, Router};
 use bytes::Bytes;
-use fleetlimit::outbound::OutboundLayer;
+use fleetlimit::outbound::{NotReady, OutboundLayer};
 use fleetlimit::store::RedisStore;
 use fleetlimit::{Algorithm, Limiter, MemoryStore, OnStoreError, Quota, Rule};
 use http_body_util::Empty;
@@ -112,13 +112,14 @@ async fn fleet(server: &RedisServer) -> Vec<Limiter> {
     out
 }
 
-/// Four callers per instance, calling the partner through the layer until `until`.
+/// Four callers per instance, calling the partner through the layer (default settings) until
+/// `until`; a caller told the quota is not ready waits the time it was given, as a client would.
 async fn call_until(fleet: &[Limiter], addr: SocketAddr, until: Instant) {
     let mut callers = Vec::new();
     for limiter in fleet {
         let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
         let service = ServiceBuilder::new()
-            .layer(OutboundLayer::new(limiter.clone()).max_wait(Duration::from_secs(3)))
+            .layer(OutboundLayer::new(limiter.clone()))
             .service(client);
         for _ in 0..4 {
             let mut service = service.clone();
@@ -128,7 +129,13 @@ async fn call_until(fleet: &[Limiter], addr: SocketAddr, until: Instant) {
                         .body(Empty::<Bytes>::new())
                         .unwrap();
                     let ready = service.ready().await.unwrap();
-                    let _ = ready.call(req).await;
+                    if let Err(e) = ready.call(req).await {
+                        let wait = e
+                            .downcast_ref::<NotReady>()
+                            .and_then(|n| n.retry_after)
+                            .unwrap_or(Duration::from_millis(10));
+                        tokio::time::sleep(wait).await;
+                    }
                 }
             }));
         }

@@ -148,9 +148,9 @@ impl SlidingWindow {
         // `ahead` sub-windows from now, the counts have moved `ahead` places: the oldest is
         // counts[ahead], and its weight falls as that sub-window goes on:
         // oldest × (B − e) ≤ (limit − newer − cost) × B.
-        for ahead in 0..self.counts.len() {
-            let oldest = self.counts[ahead];
-            let newer: u64 = self.counts[ahead + 1..].iter().sum();
+        let mut newer: u64 = self.counts.iter().sum();
+        for (ahead, &oldest) in self.counts.iter().enumerate() {
+            newer -= oldest;
             if newer + cost > limit {
                 continue;
             }

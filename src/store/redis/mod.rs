@@ -844,24 +844,32 @@ impl Inner {
                 result
             }
             Ready::Shared(mut conn) => {
-                // A call abandoned mid-way (its decision's deadline passed) leaves a connection
-                // that may have stopped answering: the next call takes a fresh one. So does one
-                // to a master that turned replica (a failover).
-                let mut guard = DiscardOnDrop(Some(&self.conn));
-                let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
-                let broken = result.as_ref().is_err_and(|e| {
-                    e.is_io_error()
-                        || e.is_connection_dropped()
-                        || e.is_unrecoverable_error()
-                        || e.code() == Some("READONLY")
-                });
-                if !broken {
-                    guard.0 = None;
-                }
-                result
+                self.on_shared(invocation.invoke_async::<Vec<i64>>(&mut conn))
+                    .await
             }
         };
         result.map_err(store_error)
+    }
+
+    /// A call on a shared connection. A call abandoned mid-way (its decision's deadline passed)
+    /// leaves a connection that may have stopped answering: the next call takes a fresh one. So
+    /// does one to a master that turned replica (a failover).
+    async fn on_shared<T>(
+        &self,
+        call: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> redis::RedisResult<T> {
+        let mut guard = DiscardOnDrop(Some(&self.conn));
+        let result = call.await;
+        let broken = result.as_ref().is_err_and(|e| {
+            e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_unrecoverable_error()
+                || e.code() == Some("READONLY")
+        });
+        if !broken {
+            guard.0 = None;
+        }
+        result
     }
 
     /// One plain command (a pause and its reading; decisions go through the script).
@@ -869,7 +877,7 @@ impl Inner {
         match self.connection().await? {
             Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
             Ready::Cluster(mut conn) => cmd.query_async(&mut conn).await,
-            Ready::Shared(mut conn) => cmd.query_async(&mut conn).await,
+            Ready::Shared(mut conn) => self.on_shared(cmd.query_async(&mut conn)).await,
         }
         .map_err(store_error)
     }

@@ -90,10 +90,11 @@ local function sw_retry_at(st, q, cost)
   local w_ms = width / 1000
   local limit = q.limit
   local len = #st.counts
+  local newer = 0
+  for i = 1, len do newer = newer + st.counts[i] end
   for ahead = 0, len - 1 do
     local oldest = st.counts[ahead + 1]
-    local newer = 0
-    for i = ahead + 2, len do newer = newer + st.counts[i] end
+    newer = newer - oldest
     if newer + cost <= limit then
       local room = (limit - newer - cost) * w_ms
       local e = 0
