@@ -55,20 +55,29 @@ mod rule;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};
+/// The deadpool-redis this crate was built with (0.23), for
+/// [`RedisStore::from_pool`](store::RedisStore::from_pool).
+#[cfg(feature = "redis")]
+pub use deadpool_redis;
 pub use decision::{Decision, Source, Taken};
 pub use error::{ConfigError, Error, StoreError};
 pub use key::{Key, KeyExtractor};
 pub use layer::{
     Denial, HeaderStyle, MissingKey, RateLimitInfo, RateLimitLayer, RateLimitLayerBuilder, Scope,
 };
+pub(crate) use limiter::Target;
 pub use limiter::{
     BreakerConfig, InfallibleStore, LeaseConfig, Limiter, LimiterBuilder, LimiterStats,
-    OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE,
+    OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_MAX_AGE,
 };
 pub use quota::{
     Algorithm, Quota, QuotaBuilder, WindowEstimate, DEFAULT_MAX_LOG_LEN, DEFAULT_SUB_WINDOWS,
     MAX_HEADER_INTEGER, MAX_PERIOD, MAX_SUB_WINDOWS,
 };
+/// The redis-rs this crate was built with (1.x), so a [`RedisStore`] can be made from your own
+/// clients and connections without matching versions by hand.
+#[cfg(feature = "redis")]
+pub use redis;
 pub use rule::{Rule, MAX_RULE_NAME_LEN};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;

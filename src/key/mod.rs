@@ -11,9 +11,13 @@ use std::net::{IpAddr, Ipv6Addr};
 use bytes::{BufMut, Bytes, BytesMut};
 use sha2::{Digest, Sha256};
 
+#[cfg(feature = "body")]
+mod body;
 mod extract;
 mod forwarded;
 
+#[cfg(feature = "body")]
+pub use body::{form_field, json_field, BodyField};
 pub use extract::{from_fn, global, header, FnExtractor, Global, HeaderKey, KeyExtractor, PeerIp};
 pub use forwarded::{client_ip, ForwardedHeader, TrustedProxies};
 

@@ -73,16 +73,15 @@ where
     pub(crate) fn check(
         config: Arc<Config>,
         targets: Targets,
-        cost: u64,
         grpc: bool,
         mut inner: S,
         mut req: Request<B>,
     ) -> Self {
         // An in-process store decides on the spot: no boxed future, no extra state.
-        if let Some(decisions) = config.limiter.consume_now(&targets, cost) {
-            let verdict = Verdict::new(config, targets, decisions);
+        if let Some(decisions) = config.limiter.consume_now(&targets) {
+            let mut verdict = Verdict::new(config, targets, decisions);
             if verdict.admits() {
-                req.extensions_mut().insert(verdict.info());
+                verdict.admit(&mut req);
                 return ResponseFuture {
                     state: State::Calling {
                         future: inner.call(req),
@@ -99,7 +98,7 @@ where
         }
         let limiter = config.limiter.clone();
         let decision: BoxFuture<'static, Decided> = Box::pin(async move {
-            let result = limiter.apply_indexed(Op::Consume, &targets, cost).await;
+            let result = limiter.apply_indexed(Op::Consume, &targets).await;
             (result, targets)
         });
         ResponseFuture {
@@ -162,9 +161,9 @@ where
                             return Poll::Ready(Ok(r.map(ResponseBody::full)));
                         }
                     };
-                    let verdict = Verdict::new(config, targets, decisions.into());
+                    let mut verdict = Verdict::new(config, targets, decisions.into());
                     if verdict.admits() {
-                        req.extensions_mut().insert(verdict.info());
+                        verdict.admit(&mut req);
                         let future = inner.call(req);
                         *this.verdict = Some(verdict);
                         this.state.set(State::Calling { future });
@@ -174,7 +173,7 @@ where
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
-                    let Some(verdict) = this.verdict.as_ref() else {
+                    let Some(verdict) = this.verdict.as_mut() else {
                         return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                     };
                     match verdict.on_response(&mut response) {

@@ -12,12 +12,13 @@ use crate::{Decision, Rule, Source};
 #[non_exhaustive]
 pub enum HeaderStyle {
     /// `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (delay in seconds): the
-    /// widely copied style of the IETF draft's sixth revision. With several rules, the most
-    /// restrictive decision's numbers.
+    /// widely copied style of the IETF draft's sixth revision. With several rules (or layers),
+    /// the most restrictive decision's numbers.
     #[default]
     Draft6,
     /// The IETF httpapi draft's current form (draft-ietf-httpapi-ratelimit-headers-11):
-    /// Structured Field lists with one item per rule that applied,
+    /// Structured Field lists with one item per rule that applied (across every fleetlimit
+    /// layer the request went through),
     /// `RateLimit-Policy: "api";q=100;w=60` and `RateLimit: "api";r=42;t=17`. For a rule that
     /// denied, `t` is the wait before a retry can succeed, so `Retry-After` is never earlier.
     Ietf,
@@ -29,7 +30,7 @@ pub enum HeaderStyle {
 }
 
 impl std::str::FromStr for HeaderStyle {
-    type Err = String;
+    type Err = crate::ConfigError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
@@ -37,9 +38,12 @@ impl std::str::FromStr for HeaderStyle {
             "ietf" => Ok(HeaderStyle::Ietf),
             "legacy" => Ok(HeaderStyle::Legacy),
             "none" => Ok(HeaderStyle::None),
-            other => Err(format!(
-                "unknown header style {other:?}; expected draft6, ietf, legacy or none"
-            )),
+            other => Err(crate::ConfigError::Invalid {
+                setting: "headers",
+                reason: format!(
+                    "unknown header style {other:?}; expected draft6, ietf, legacy or none"
+                ),
+            }),
         }
     }
 }
@@ -146,6 +150,11 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
         state.push_str(&format!("\"{}\";r={};t={}", rule.name(), d.remaining, t));
     }
     for (name, value) in [(&POLICY, policy), (&RATELIMIT, state)] {
+        // An inner layer's items come first: one list describes every policy that applied.
+        let value = match headers.get(name).and_then(|v| v.to_str().ok()) {
+            Some(inner) if !inner.is_empty() => format!("{inner}, {value}"),
+            _ => value,
+        };
         if let Ok(v) = HeaderValue::try_from(value) {
             headers.insert(name.clone(), v);
         }

@@ -7,7 +7,7 @@ use tower_layer::Layer;
 use super::{Denial, HeaderStyle, RateLimitService, Scope};
 use crate::error::ConfigError;
 use crate::key::{KeyExtractor, PeerIp};
-use crate::{Key, Limiter};
+use crate::{Key, Limiter, Target};
 
 /// What to do with a request for which no key can be found.
 ///
@@ -17,7 +17,9 @@ use crate::{Key, Limiter};
 /// `{"error":"no_rate_limit_key"}` and logs an error. For a scope's own key
 /// ([`Scope::on_missing_key`]): the client did not send it; the default there is `Skip`, and
 /// `Reject` answers `400` with `{"error":"missing_rate_limit_key"}`, logged at `debug`: client
-/// input never causes a server error.
+/// input never causes a server error. A scope's setting, when given, also replaces the layer's
+/// for a scope keyed by the layer's key (a login rule may skip anonymous requests while the
+/// layer rejects keyless ones elsewhere).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum MissingKey {
@@ -60,7 +62,7 @@ pub struct RateLimitLayer {
     pub(crate) config: Arc<Config>,
 }
 
-type CostFn = Arc<dyn Fn(&Parts) -> u64 + Send + Sync>;
+pub(crate) type CostFn = Arc<dyn Fn(&Parts) -> u64 + Send + Sync>;
 
 pub(crate) struct Config {
     pub(crate) limiter: Limiter,
@@ -72,12 +74,13 @@ pub(crate) struct Config {
     pub(crate) headers: HeaderStyle,
     pub(crate) denial: Denial,
     pub(crate) unavailable_status: StatusCode,
+    pub(crate) cost_exceeds_limit_status: StatusCode,
     pub(crate) missing_key: MissingKey,
     pub(crate) shadow: bool,
 }
 
-/// The (rule index, key) pairs a request counts against; most requests have one or two.
-pub(crate) type Targets = smallvec::SmallVec<[(usize, Key); 2]>;
+/// The (rule, key, cost) a request counts against; most requests have one or two.
+pub(crate) type Targets = smallvec::SmallVec<[Target; 2]>;
 
 /// What the layer does with one request.
 pub(crate) enum Plan {
@@ -87,55 +90,64 @@ pub(crate) enum Plan {
     NoKey,
     /// A scope's own key is missing and its rule says reject: the client's request is incomplete.
     MissingKey,
-    /// Consume `cost` from these (rule index, key) pairs.
-    Check { targets: Targets, cost: u64 },
+    /// Consume from these targets, each at its own cost, all or nothing.
+    Check { targets: Targets },
 }
 
 impl Config {
     pub(crate) fn plan(&self, parts: &Parts) -> Plan {
-        let cost = self.cost.as_ref().map_or(1, |f| f(parts));
-        if cost == 0 {
-            return Plan::Pass;
-        }
+        let mut layer_cost: Option<u64> = None;
         let mut default_key: Option<Option<Key>> = None;
         let mut targets = Targets::new();
         for (i, scope) in self.scopes.iter().enumerate() {
             if !scope.matches(parts) {
                 continue;
             }
-            let key = match &scope.key {
-                Some(extractor) => match (extractor.extract(parts), scope.missing_key) {
-                    (Some(key), _) => Some(key),
-                    (None, MissingKey::Reject) => return Plan::MissingKey,
-                    (None, MissingKey::Shared) => Some(Key::keyless()),
-                    (None, _) => {
-                        tracing::debug!(
-                            rule = self.limiter.rules().get(i).map_or("?", |r| r.name()),
-                            "fleetlimit: no key for this rule in the request; the rule is skipped"
-                        );
-                        continue;
-                    }
-                },
-                None => default_key
-                    .get_or_insert_with(|| {
-                        self.key
-                            .as_ref()
-                            .and_then(|e| e.extract(parts))
-                            .or_else(|| self.peer.extract(parts))
-                    })
-                    .clone(),
+            let cost = match &scope.cost {
+                Some(cost) => cost(parts),
+                None => *layer_cost
+                    .get_or_insert_with(|| self.cost.as_ref().map_or(1, |cost| cost(parts))),
             };
-            match (key, self.missing_key) {
-                (Some(key), _) => targets.push((i, key)),
-                (None, MissingKey::Reject) => return Plan::NoKey,
-                (None, MissingKey::Skip) => {}
-                (None, MissingKey::Shared) => targets.push((i, Key::keyless())),
+            if cost == 0 {
+                continue; // this rule charges nothing for this request
             }
+            let (key, missing) = match &scope.key {
+                Some(extractor) => (
+                    extractor.extract(parts),
+                    scope.missing_key.unwrap_or(MissingKey::Skip),
+                ),
+                None => (
+                    default_key
+                        .get_or_insert_with(|| {
+                            self.key
+                                .as_ref()
+                                .and_then(|e| e.extract(parts))
+                                .or_else(|| self.peer.extract(parts))
+                        })
+                        .clone(),
+                    scope.missing_key.unwrap_or(self.missing_key),
+                ),
+            };
+            let key = match (key, missing) {
+                (Some(key), _) => key,
+                (None, MissingKey::Shared) => Key::keyless(),
+                (None, MissingKey::Skip) => {
+                    tracing::debug!(
+                        rule = self.limiter.rules().get(i).map_or("?", |r| r.name()),
+                        "fleetlimit: no key for this rule in the request; the rule is skipped"
+                    );
+                    continue;
+                }
+                // A scope's own key comes from the client: its absence is the client's fault.
+                (None, MissingKey::Reject) if scope.key.is_some() => return Plan::MissingKey,
+                (None, MissingKey::Reject) => return Plan::NoKey,
+            };
+            targets.push(Target { rule: i, key, cost });
         }
         if targets.is_empty() {
             Plan::Pass
         } else {
-            Plan::Check { targets, cost }
+            Plan::Check { targets }
         }
     }
 }
@@ -174,6 +186,7 @@ impl RateLimitLayer {
                 headers: HeaderStyle::default(),
                 denial: Denial::default(),
                 unavailable_status: StatusCode::SERVICE_UNAVAILABLE,
+                cost_exceeds_limit_status: StatusCode::TOO_MANY_REQUESTS,
                 missing_key: MissingKey::default(),
                 shadow: false,
             },
@@ -228,8 +241,9 @@ impl RateLimitLayerBuilder {
         self
     }
 
-    /// The cost of a request, from its parts (a bulk import 10, a read 1). A cost of 0 lets
-    /// the request through without counting it.
+    /// The cost of a request, from its parts (a bulk import 10, a read 1), for every rule
+    /// whose scope sets no cost of its own ([`Scope::cost`]). A cost of 0 lets the request
+    /// through without counting it on those rules.
     pub fn cost(mut self, cost: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Self {
         self.config.cost = Some(Arc::new(cost));
         self
@@ -251,6 +265,14 @@ impl RateLimitLayerBuilder {
     /// closed (default 503 Service Unavailable; 429 is the other common choice).
     pub fn unavailable_status(mut self, status: StatusCode) -> Self {
         self.config.unavailable_status = status;
+        self
+    }
+
+    /// The status of a denial because the request costs more than a rule can ever admit
+    /// (default 429, with `{"error":"cost_exceeds_limit"}` and no `Retry-After`: waiting never
+    /// helps). `413 Payload Too Large` is the honest answer when the cost is the body's size.
+    pub fn cost_exceeds_limit_status(mut self, status: StatusCode) -> Self {
+        self.config.cost_exceeds_limit_status = status;
         self
     }
 
@@ -282,6 +304,13 @@ impl RateLimitLayerBuilder {
             return Err(ConfigError::Invalid {
                 setting: "unavailable_status",
                 reason: format!("{} is not an error status", self.config.unavailable_status),
+            });
+        }
+        let status = self.config.cost_exceeds_limit_status;
+        if !status.is_client_error() {
+            return Err(ConfigError::Invalid {
+                setting: "cost_exceeds_limit_status",
+                reason: format!("{status} is not a client error status"),
             });
         }
         let c = &self.config;

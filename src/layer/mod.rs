@@ -5,6 +5,8 @@
 //! error type (axum needs `Infallible`) and its body type (wrapped in [`ResponseBody`]).
 
 mod body;
+#[cfg(feature = "body")]
+mod buffer;
 mod future;
 mod headers;
 #[allow(clippy::module_inception)]
@@ -15,6 +17,8 @@ mod service;
 mod verdict;
 
 pub use body::ResponseBody;
+#[cfg(feature = "body")]
+pub use buffer::{BufferBody, BufferBodyLayer, BufferFuture, BufferedBody};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{MissingKey, RateLimitLayer, RateLimitLayerBuilder};

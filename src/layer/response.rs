@@ -56,14 +56,29 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
-/// The response to a denial. `unavailable_status` answers refusals made because the store is
-/// down and the policy fails closed (503 by default: the client did nothing wrong).
+/// The statuses of the denials that are not plain 429s.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Statuses {
+    /// Refusals made because the store is down and the policy fails closed (503 by default:
+    /// the client did nothing wrong).
+    pub(crate) unavailable: StatusCode,
+    /// A cost no rule can ever admit (429 by default; 413 for byte costs).
+    pub(crate) cost_exceeds_limit: StatusCode,
+}
+
+/// The response to a denial.
 pub(crate) fn denied(
     decision: &Decision,
     denial: &Denial,
     grpc: bool,
-    unavailable_status: StatusCode,
+    statuses: Statuses,
 ) -> Response<Bytes> {
+    let unavailable_status = statuses.unavailable;
+    let status = if decision.never_admissible() {
+        statuses.cost_exceeds_limit
+    } else {
+        StatusCode::TOO_MANY_REQUESTS
+    };
     let unavailable = decision.source == Source::Policy;
     let mut response = if grpc {
         grpc_denied(decision, unavailable)
@@ -76,15 +91,11 @@ pub(crate) fn denied(
         )
     } else {
         match denial {
-            Denial::Json => json(
-                StatusCode::TOO_MANY_REQUESTS,
-                "application/json",
-                json_body(decision),
-            ),
+            Denial::Json => json(status, "application/json", json_body(decision)),
             Denial::Problem => json(
-                StatusCode::TOO_MANY_REQUESTS,
+                status,
                 "application/problem+json",
-                problem_body(decision),
+                problem_body(decision, status),
             ),
             Denial::Custom(f) => f(decision),
         }
@@ -108,7 +119,7 @@ fn json_body(d: &Decision) -> String {
     }
 }
 
-fn problem_body(d: &Decision) -> String {
+fn problem_body(d: &Decision, status: StatusCode) -> String {
     match d.retry_after {
         Some(retry) => {
             let ms = ceil_millis(retry);
@@ -118,8 +129,12 @@ fn problem_body(d: &Decision) -> String {
             )
         }
         None => format!(
-            r#"{{"type":"about:blank","title":"Too Many Requests","status":429,"detail":"The request costs more than the limit ({}) can ever admit.","retry_after_ms":null,"limit":{},"remaining":{}}}"#,
-            d.limit, d.limit, d.remaining
+            r#"{{"type":"about:blank","title":"{}","status":{},"detail":"The request costs more than the limit ({}) can ever admit.","retry_after_ms":null,"limit":{},"remaining":{}}}"#,
+            status.canonical_reason().unwrap_or("Client Error"),
+            status.as_u16(),
+            d.limit,
+            d.limit,
+            d.remaining
         ),
     }
 }
@@ -175,6 +190,11 @@ pub(crate) fn json(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const STATUSES: Statuses = Statuses {
+        unavailable: StatusCode::SERVICE_UNAVAILABLE,
+        cost_exceeds_limit: StatusCode::TOO_MANY_REQUESTS,
+    };
     use std::time::Duration;
 
     #[test]
@@ -185,7 +205,7 @@ mod tests {
             Duration::from_millis(3),
             Some(Duration::from_micros(10)),
         );
-        let r = denied(&d, &Denial::Json, false, StatusCode::SERVICE_UNAVAILABLE);
+        let r = denied(&d, &Denial::Json, false, STATUSES);
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()[RETRY_AFTER], "1");
     }
@@ -198,20 +218,28 @@ mod tests {
             Duration::from_secs(3),
             Some(Duration::from_millis(1500)),
         );
-        let r = denied(&d, &Denial::Problem, false, StatusCode::SERVICE_UNAVAILABLE);
+        let r = denied(&d, &Denial::Problem, false, STATUSES);
         assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
         let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
         assert_eq!(v["status"], 429);
         assert_eq!(v["retry_after_ms"], 1500);
         let never = Decision::deny(5, 5, Duration::ZERO, None);
-        let r = denied(
-            &never,
-            &Denial::Problem,
-            false,
-            StatusCode::SERVICE_UNAVAILABLE,
-        );
+        let r = denied(&never, &Denial::Problem, false, STATUSES);
         let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
         assert!(v["retry_after_ms"].is_null());
+        let too_large = Statuses {
+            cost_exceeds_limit: StatusCode::PAYLOAD_TOO_LARGE,
+            ..STATUSES
+        };
+        let r = denied(&never, &Denial::Problem, false, too_large);
+        assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+        assert_eq!(v["status"], 413);
+        assert_eq!(v["title"], "Payload Too Large");
+        assert!(
+            !r.headers().contains_key(RETRY_AFTER),
+            "waiting never helps"
+        );
     }
 
     #[test]
@@ -222,14 +250,14 @@ mod tests {
             Duration::from_secs(3),
             Some(Duration::from_millis(1500)),
         );
-        let r = denied(&d, &Denial::Json, true, StatusCode::SERVICE_UNAVAILABLE);
+        let r = denied(&d, &Denial::Json, true, STATUSES);
         assert_eq!(r.status(), StatusCode::OK);
         assert!(r.body().is_empty());
         assert_eq!(r.headers()["grpc-status"], "8");
         assert_eq!(r.headers()["grpc-retry-pushback-ms"], "1500");
         assert_eq!(r.headers()[RETRY_AFTER], "2");
         let never = Decision::deny(5, 5, Duration::ZERO, None);
-        let r = denied(&never, &Denial::Json, true, StatusCode::SERVICE_UNAVAILABLE);
+        let r = denied(&never, &Denial::Json, true, STATUSES);
         assert_eq!(r.headers()["grpc-retry-pushback-ms"], "-1");
     }
 }

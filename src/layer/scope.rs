@@ -1,4 +1,5 @@
-//! Which rules apply to a request, with which key, and when their permits are given back.
+//! Which rules apply to a request, with which key and cost, and when their permits are given
+//! back.
 
 use std::fmt;
 use std::sync::Arc;
@@ -6,6 +7,7 @@ use std::sync::Arc;
 use http::request::Parts;
 use http::{Method, StatusCode};
 
+use super::layer::CostFn;
 use super::MissingKey;
 use crate::key::KeyExtractor;
 
@@ -14,7 +16,7 @@ type RefundIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
 /// Where and how one rule of the limiter applies, set with
 /// [`RateLimitLayerBuilder::scope`](super::RateLimitLayerBuilder::scope). A rule without a scope
-/// applies to every request, keyed by the layer's key.
+/// applies to every request, keyed by the layer's key, at the layer's cost.
 ///
 /// ```
 /// use fleetlimit::layer::Scope;
@@ -28,47 +30,141 @@ type RefundIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 ///     .refund_if(|status| status.is_success());
 /// // Only for tenants on the free plan.
 /// let free = Scope::new().when(|parts| parts.headers.get("x-plan").is_some_and(|p| p == "free"));
-/// # let _ = (login, free);
+/// // Uploads, charged per KiB of their declared length.
+/// let uploads = Scope::new()
+///     .route(Method::PUT, "/files/{name}")
+///     .method(Method::POST)
+///     .cost(|parts| {
+///         let bytes = parts.headers.get(http::header::CONTENT_LENGTH)
+///             .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+///             .unwrap_or(0);
+///         bytes.div_ceil(1024).max(1)
+///     });
+/// # let _ = (login, free, uploads);
 /// ```
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct Scope {
-    pub(crate) method: Option<Method>,
+    /// Empty: any method.
+    pub(crate) methods: Vec<Method>,
     pub(crate) path: Option<PathMatch>,
     pub(crate) when: Option<Predicate>,
     pub(crate) key: Option<Arc<dyn KeyExtractor>>,
-    pub(crate) missing_key: MissingKey,
+    /// `None`: `Skip` for the scope's own key, the layer's setting for the layer's key.
+    pub(crate) missing_key: Option<MissingKey>,
+    pub(crate) cost: Option<CostFn>,
     pub(crate) refund_if: Option<RefundIf>,
 }
 
+/// A path as a scope matches it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum PathMatch {
     Exact(String),
+    /// `/api/*`: the prefix itself and everything under it.
     Prefix(String),
+    /// axum's route syntax: `/users/{id}` (one segment), `/files/{*rest}` (the rest).
+    Pattern {
+        source: String,
+        segments: Vec<Segment>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Segment {
+    Literal(String),
+    /// `{name}`: exactly one non-empty segment.
+    Param,
+    /// `{*name}`: one or more segments, to the end.
+    Rest,
+}
+
+impl PathMatch {
+    fn parse(path: &str) -> PathMatch {
+        if let Some(prefix) = path.strip_suffix("/*") {
+            return PathMatch::Prefix(prefix.to_owned());
+        }
+        if !path.contains('{') {
+            return PathMatch::Exact(path.to_owned());
+        }
+        let segments = path
+            .split('/')
+            .skip(1)
+            .map(
+                |s| match s.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+                    Some(name) if name.starts_with('*') => Segment::Rest,
+                    Some(_) => Segment::Param,
+                    None => Segment::Literal(s.to_owned()),
+                },
+            )
+            .collect();
+        PathMatch::Pattern {
+            source: path.to_owned(),
+            segments,
+        }
+    }
+
+    fn matches(&self, parts: &Parts) -> bool {
+        let path = parts.uri.path();
+        match self {
+            PathMatch::Exact(p) => path == p || matched_path(parts) == Some(p.as_str()),
+            PathMatch::Prefix(p) => path
+                .strip_prefix(p.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/')),
+            PathMatch::Pattern { source, segments } => {
+                matched_path(parts) == Some(source.as_str()) || matches_segments(segments, path)
+            }
+        }
+    }
+}
+
+fn matches_segments(pattern: &[Segment], path: &str) -> bool {
+    let Some(path) = path.strip_prefix('/') else {
+        return false;
+    };
+    let mut actual = path.split('/');
+    for segment in pattern {
+        match segment {
+            Segment::Rest => return actual.next().is_some_and(|s| !s.is_empty()),
+            Segment::Param => {
+                if actual.next().is_none_or(str::is_empty) {
+                    return false;
+                }
+            }
+            Segment::Literal(l) => {
+                if actual.next() != Some(l.as_str()) {
+                    return false;
+                }
+            }
+        }
+    }
+    actual.next().is_none()
+}
+
+/// The route axum matched, when the layer runs inside a `Router` (nested routers strip their
+/// prefix from the URI but not from this).
+#[cfg(feature = "axum")]
+fn matched_path(parts: &Parts) -> Option<&str> {
+    parts
+        .extensions
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str())
+}
+
+#[cfg(not(feature = "axum"))]
+fn matched_path(_: &Parts) -> Option<&str> {
+    None
 }
 
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Scope")
-            .field("method", &self.method)
+            .field("methods", &self.methods)
             .field("path", &self.path)
             .field("when", &self.when.is_some())
             .field("key", &self.key.is_some())
             .field("missing_key", &self.missing_key)
+            .field("cost", &self.cost.is_some())
             .field("refund_if", &self.refund_if.is_some())
             .finish()
-    }
-}
-
-impl Default for Scope {
-    fn default() -> Self {
-        Scope {
-            method: None,
-            path: None,
-            when: None,
-            key: None,
-            missing_key: MissingKey::Skip,
-            refund_if: None,
-        }
     }
 }
 
@@ -78,17 +174,33 @@ impl Scope {
         Scope::default()
     }
 
-    /// Only requests with this method and path. A path ending in `/*` matches everything under
-    /// it (`/api/*` matches `/api` and `/api/users/7`); any other path matches exactly. `GET`
-    /// also matches `HEAD` (axum's `get()` serves HEAD with the GET handler, so a HEAD request
-    /// must not go around a GET limit). For axum route patterns, put a layer on the route with
-    /// `route_layer` instead.
+    /// Only requests with this method and path (replacing any set before; add methods with
+    /// [`method`](Scope::method)). Paths as axum writes routes: `/users/{id}` matches one
+    /// segment in place of `{id}`, `/files/{*rest}` one or more to the end, and a path ending
+    /// in `/*` matches everything under it (`/api/*` matches `/api` and `/api/users/7`); any
+    /// other path matches exactly (the query is never part of it). Inside an axum `Router`
+    /// the pattern also matches when it is the route axum matched (`MatchedPath`), so nested
+    /// routers can name their full routes. `GET` also matches `HEAD` (axum's `get()` serves
+    /// HEAD with the GET handler, so a HEAD request must not go around a GET limit).
     pub fn route(mut self, method: Method, path: &str) -> Scope {
-        self.method = Some(method);
-        self.path = Some(match path.strip_suffix("/*") {
-            Some(prefix) => PathMatch::Prefix(prefix.to_owned()),
-            None => PathMatch::Exact(path.to_owned()),
-        });
+        self.methods = vec![method];
+        self.path = Some(PathMatch::parse(path));
+        self
+    }
+
+    /// Also requests with this method (`route(POST, "/files/{name}").method(PUT)`). A scope
+    /// with no method matches every method.
+    pub fn method(mut self, method: Method) -> Scope {
+        if !self.methods.contains(&method) {
+            self.methods.push(method);
+        }
+        self
+    }
+
+    /// Only requests for this path, with any of the scope's methods; the syntax of
+    /// [`route`](Scope::route).
+    pub fn path(mut self, path: &str) -> Scope {
+        self.path = Some(PathMatch::parse(path));
         self
     }
 
@@ -106,17 +218,29 @@ impl Scope {
         self
     }
 
-    /// What a request without this scope's own key gets (default [`MissingKey::Skip`]: the
-    /// rule does not apply to it, logged at `debug`). The key comes from the client, so a missing
-    /// one is never a server error: [`MissingKey::Reject`] answers `400 Bad Request`.
+    /// What a request without this scope's key gets. For the scope's own key the default is
+    /// [`MissingKey::Skip`] (the rule does not apply to it, logged at `debug`); the key comes
+    /// from the client, so a missing one is never a server error: [`MissingKey::Reject`]
+    /// answers `400 Bad Request`. For a scope on the layer's key, this replaces the layer's
+    /// setting for this rule.
     pub fn on_missing_key(mut self, missing: MissingKey) -> Scope {
-        self.missing_key = missing;
+        self.missing_key = Some(missing);
+        self
+    }
+
+    /// This rule's cost for a request (its size in KiB for an upload rule, while the plan's
+    /// rule counts 1), in place of the layer's [`cost`](super::RateLimitLayerBuilder::cost).
+    /// Every rule of a request is still decided in one atomic step, each at its own cost; a
+    /// cost of 0 leaves the request out of this rule.
+    pub fn cost(mut self, cost: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Scope {
+        self.cost = Some(Arc::new(cost));
         self
     }
 
     /// Give the permits back when the response status satisfies `refund` (count only failed
     /// logins: `|s| s.is_success()`; do not count the service's own failures:
-    /// `|s| s.is_server_error()`). The refund completes before the response is returned.
+    /// `|s| s.is_server_error()`). The refund completes before the response is returned, and
+    /// the response's rate-limit headers count the permits as given back.
     pub fn refund_if(
         mut self,
         refund: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
@@ -126,21 +250,14 @@ impl Scope {
     }
 
     pub(crate) fn matches(&self, parts: &Parts) -> bool {
-        let method_ok = self.method.as_ref().is_none_or(|m| {
-            *m == parts.method || (*m == Method::GET && parts.method == Method::HEAD)
-        });
-        if !method_ok {
-            return false;
-        }
-        let path = parts.uri.path();
-        let path_ok = match &self.path {
-            None => true,
-            Some(PathMatch::Exact(p)) => path == p,
-            Some(PathMatch::Prefix(p)) => path
-                .strip_prefix(p.as_str())
-                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/')),
-        };
-        path_ok && self.when.as_ref().is_none_or(|w| w(parts))
+        let method_ok = self.methods.is_empty()
+            || self
+                .methods
+                .iter()
+                .any(|m| *m == parts.method || (*m == Method::GET && parts.method == Method::HEAD));
+        method_ok
+            && self.path.as_ref().is_none_or(|p| p.matches(parts))
+            && self.when.as_ref().is_none_or(|w| w(parts))
     }
 }
 
@@ -175,5 +292,24 @@ mod tests {
         );
         assert!(!api.matches(&parts(Method::GET, "/apix")));
         assert!(Scope::new().matches(&parts(Method::DELETE, "/anything")));
+    }
+
+    #[test]
+    fn several_methods_and_axum_patterns() {
+        let users = Scope::new()
+            .route(Method::PUT, "/users/{id}")
+            .method(Method::PATCH);
+        assert!(users.matches(&parts(Method::PUT, "/users/7")));
+        assert!(users.matches(&parts(Method::PATCH, "/users/alice?x=1")));
+        assert!(!users.matches(&parts(Method::POST, "/users/7")));
+        assert!(!users.matches(&parts(Method::PUT, "/users/")));
+        assert!(!users.matches(&parts(Method::PUT, "/users")));
+        assert!(!users.matches(&parts(Method::PUT, "/users/7/keys")));
+        let nested = Scope::new().path("/orgs/{org}/files/{*path}");
+        assert!(nested.matches(&parts(Method::GET, "/orgs/a/files/x")));
+        assert!(nested.matches(&parts(Method::DELETE, "/orgs/a/files/x/y/z")));
+        assert!(!nested.matches(&parts(Method::GET, "/orgs/a/files")));
+        assert!(!nested.matches(&parts(Method::GET, "/orgs/a/files/")));
+        assert!(!nested.matches(&parts(Method::GET, "/orgs//files/x")));
     }
 }

@@ -55,12 +55,12 @@ where
             Plan::Pass => ResponseFuture::pass(self.inner.call(req)),
             Plan::NoKey => ResponseFuture::answer(super::verdict::no_key(grpc)),
             Plan::MissingKey => ResponseFuture::answer(super::verdict::missing_key(grpc)),
-            Plan::Check { targets, cost } => {
+            Plan::Check { targets } => {
                 // The inner service was driven to readiness; keep that instance for this call
                 // and leave a fresh clone behind (the Tower-documented pattern).
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::check(self.config.clone(), targets, cost, grpc, inner, req)
+                ResponseFuture::check(self.config.clone(), targets, grpc, inner, req)
             }
         }
     }

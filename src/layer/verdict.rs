@@ -14,6 +14,12 @@ use crate::{Decision, Error, Key, Rule, Source};
 
 pub(crate) type Decisions = smallvec::SmallVec<[Decision; 2]>;
 
+/// Put in the extensions of every response a layer writes itself (a denial, a missing key, an
+/// unavailable limiter): an outer layer that admitted the request gives its permits back, so
+/// stacked layers are all or nothing.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Refused;
+
 /// What was decided for one request, kept until the response is out.
 pub(crate) struct Verdict {
     config: Arc<Config>,
@@ -22,15 +28,14 @@ pub(crate) struct Verdict {
     governing: Decision,
     /// Shadow mode let through a request that would have been denied.
     would_deny: bool,
+    /// An outer fleetlimit layer admitted the request first: it learns this layer's outcome
+    /// from the response's extensions.
+    nested: bool,
 }
 
 impl Verdict {
     pub(crate) fn new(config: Arc<Config>, targets: Targets, decisions: Decisions) -> Verdict {
-        let governing = decisions
-            .iter()
-            .copied()
-            .reduce(Decision::more_restrictive)
-            .unwrap_or_else(|| Decision::admit(0, 0, std::time::Duration::ZERO));
+        let governing = governing(&decisions);
         let would_deny = !governing.allowed && config.shadow;
         if would_deny {
             tracing::info!(
@@ -44,6 +49,7 @@ impl Verdict {
             decisions,
             governing,
             would_deny,
+            nested: false,
         }
     }
 
@@ -52,14 +58,26 @@ impl Verdict {
         self.governing.allowed || self.would_deny
     }
 
+    /// Pass an admitted request on: its extensions get the outcome for the handler (the most
+    /// restrictive of every layer's so far).
+    pub(crate) fn admit<B>(&mut self, req: &mut http::Request<B>) {
+        let outer = req.extensions().get::<RateLimitInfo>().copied();
+        self.nested = outer.is_some();
+        req.extensions_mut().insert(merge(self.info(), outer));
+    }
+
     /// The response refusing the request.
     pub(crate) fn denial(&self, grpc: bool) -> Response<Bytes> {
         let c = &self.config;
-        let mut response = response::denied(&self.governing, &c.denial, grpc, c.unavailable_status);
+        let statuses = response::Statuses {
+            unavailable: c.unavailable_status,
+            cost_exceeds_limit: c.cost_exceeds_limit_status,
+        };
+        let mut response = response::denied(&self.governing, &c.denial, grpc, statuses);
         if matches!(c.denial, super::Denial::Custom(_)) {
             // A custom denial's own rate-limit headers are kept; the others are added.
             let mut ours = http::HeaderMap::new();
-            self.write_headers(&mut ours);
+            self.write_headers(&self.governing, &mut ours);
             let headers = response.headers_mut();
             for (name, value) in ours.iter() {
                 if !headers.contains_key(name) {
@@ -67,9 +85,10 @@ impl Verdict {
                 }
             }
         } else {
-            self.write_headers(response.headers_mut());
+            self.write_headers(&self.governing, response.headers_mut());
         }
         response.extensions_mut().insert(self.info());
+        response.extensions_mut().insert(Refused);
         response
     }
 
@@ -77,11 +96,13 @@ impl Verdict {
         let rules = self.config.limiter.rules();
         self.targets
             .iter()
-            .filter_map(|(i, _)| rules.get(*i))
+            .filter_map(|t| rules.get(t.rule))
             .collect()
     }
 
-    fn write_headers(&self, headers: &mut http::HeaderMap) {
+    /// This layer's headers, the single-valued styles showing `shown` (the most restrictive
+    /// decision of this layer and those inside it).
+    fn write_headers(&self, shown: &Decision, headers: &mut http::HeaderMap) {
         let style = self.config.headers;
         // Only the IETF style names the rules; the others need no list.
         let rules = if style == super::HeaderStyle::Ietf {
@@ -89,7 +110,7 @@ impl Verdict {
         } else {
             Vec::new()
         };
-        style.write(&rules, &self.decisions, &self.governing, headers);
+        style.write(&rules, &self.decisions, shown, headers);
     }
 
     pub(crate) fn info(&self) -> RateLimitInfo {
@@ -99,47 +120,84 @@ impl Verdict {
         }
     }
 
-    /// Finish the service's response: the rate-limit headers, the outcome for outer middleware
-    /// in shadow mode, and the refund its status calls for (if any), to run before it is
-    /// returned.
+    /// Finish the service's response: the refund its status calls for (or every permit, when
+    /// a layer inside refused the request), the rate-limit headers counting what is given back
+    /// and merged with those of layers inside, and the outcome for outer middleware. The
+    /// refund, if any, is to run before the response is returned.
     pub(crate) fn on_response<B>(
-        &self,
+        &mut self,
         response: &mut Response<B>,
     ) -> Option<BoxFuture<'static, ()>> {
-        self.write_headers(response.headers_mut());
-        if self.would_deny {
-            response.extensions_mut().insert(self.info());
+        let inside = response.extensions().get::<RateLimitInfo>().copied();
+        let refused_inside = response.extensions().get::<Refused>().is_some();
+        let status = response.status();
+        let config = self.config.clone();
+        let refund = self.refund(|rule| {
+            refused_inside
+                || config.scopes[rule]
+                    .refund_if
+                    .as_ref()
+                    .is_some_and(|refund| refund(status))
+        });
+        let shown = merge(self.info(), inside);
+        self.write_headers(&shown.decision, response.headers_mut());
+        if self.would_deny || self.nested || inside.is_some() {
+            response.extensions_mut().insert(shown);
         }
-        self.refund(response.status())
+        refund
     }
 
-    /// The permits to give back for a response with this status, if any.
-    fn refund(&self, status: StatusCode) -> Option<BoxFuture<'static, ()>> {
+    /// Give back the permits of the rules `refund` names, if anything was taken; the decisions
+    /// then count them as there again.
+    fn refund(&mut self, refund: impl Fn(usize) -> bool) -> Option<BoxFuture<'static, ()>> {
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         if !self.governing.allowed || self.would_deny || !counted {
             return None; // nothing was taken from the shared budget
         }
-        let refunds: Vec<(usize, Key, crate::Taken)> = self
-            .targets
-            .iter()
-            .zip(&self.decisions)
-            .filter(|((i, _), _)| {
-                self.config.scopes[*i]
-                    .refund_if
-                    .as_ref()
-                    .is_some_and(|refund| refund(status))
-            })
-            .filter_map(|((i, key), d)| Some((*i, key.clone(), d.taken?)))
-            .collect();
+        let mut refunds: Vec<(usize, Key, crate::Taken)> = Vec::new();
+        for (target, decision) in self.targets.iter().zip(self.decisions.iter_mut()) {
+            if !refund(target.rule) {
+                continue;
+            }
+            if let Some(taken) = decision.taken.take() {
+                decision.remaining = decision
+                    .remaining
+                    .saturating_add(taken.cost())
+                    .min(decision.limit);
+                refunds.push((target.rule, target.key.clone(), taken));
+            }
+        }
         if refunds.is_empty() {
             return None;
         }
+        self.governing = governing(&self.decisions);
         let limiter = self.config.limiter.clone();
         Some(Box::pin(async move {
             if let Err(error) = limiter.refund_parts(&refunds).await {
                 tracing::warn!(%error, "fleetlimit: refund failed; the permits stay taken");
             }
         }))
+    }
+}
+
+/// The decision that governs a request's single-valued headers.
+fn governing(decisions: &[Decision]) -> Decision {
+    decisions
+        .iter()
+        .copied()
+        .reduce(Decision::more_restrictive)
+        .unwrap_or_else(|| Decision::admit(0, 0, std::time::Duration::ZERO))
+}
+
+/// This layer's outcome together with another layer's: the more restrictive decision; shadow
+/// mode's mark if either let a denial through.
+fn merge(ours: RateLimitInfo, other: Option<RateLimitInfo>) -> RateLimitInfo {
+    match other {
+        None => ours,
+        Some(other) => RateLimitInfo {
+            decision: ours.decision.more_restrictive(other.decision),
+            would_deny: ours.would_deny || other.would_deny,
+        },
     }
 }
 
@@ -151,28 +209,34 @@ pub(crate) fn no_key(grpc: bool) -> Response<Bytes> {
         "fleetlimit: no rate-limit key for a request (no extractor matched and no peer address; \
          serve axum with `into_make_service_with_connect_info::<SocketAddr>()`)"
     );
-    if grpc {
-        return response::grpc_status("13", "no rate-limit key");
-    }
-    response::json(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "application/json",
-        r#"{"error":"no_rate_limit_key"}"#,
-    )
+    let mut response = if grpc {
+        response::grpc_status("13", "no rate-limit key")
+    } else {
+        response::json(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "application/json",
+            r#"{"error":"no_rate_limit_key"}"#,
+        )
+    };
+    response.extensions_mut().insert(Refused);
+    response
 }
 
 /// A scope's own key is missing and its rule says reject: the client's request is incomplete
 /// (400, or gRPC `INVALID_ARGUMENT`), said at `debug`: a client must not be able to fill the logs.
 pub(crate) fn missing_key(grpc: bool) -> Response<Bytes> {
     tracing::debug!("fleetlimit: a request without the key a rule requires was refused");
-    if grpc {
-        return response::grpc_status("3", "missing rate-limit key");
-    }
-    response::json(
-        StatusCode::BAD_REQUEST,
-        "application/json",
-        r#"{"error":"missing_rate_limit_key"}"#,
-    )
+    let mut response = if grpc {
+        response::grpc_status("3", "missing rate-limit key")
+    } else {
+        response::json(
+            StatusCode::BAD_REQUEST,
+            "application/json",
+            r#"{"error":"missing_rate_limit_key"}"#,
+        )
+    };
+    response.extensions_mut().insert(Refused);
+    response
 }
 
 /// The response when no decision could be made: the limiter failed (a store error with no policy
@@ -184,14 +248,17 @@ pub(crate) fn failure(
     unavailable_status: StatusCode,
 ) -> Response<Bytes> {
     tracing::error!(%error, "fleetlimit: rate-limit decision failed");
-    if grpc {
-        return response::grpc_status("14", "rate limiter unavailable");
-    }
-    response::json(
-        unavailable_status,
-        "application/json",
-        r#"{"error":"rate_limiter_unavailable"}"#,
-    )
+    let mut response = if grpc {
+        response::grpc_status("14", "rate limiter unavailable")
+    } else {
+        response::json(
+            unavailable_status,
+            "application/json",
+            r#"{"error":"rate_limiter_unavailable"}"#,
+        )
+    };
+    response.extensions_mut().insert(Refused);
+    response
 }
 
 #[cfg(test)]

@@ -21,6 +21,10 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
 /// Remembered denials kept by default for a store that can fail.
 const DEFAULT_DENY_CACHE: usize = 10_000;
 
+/// How long a remembered store denial is trusted by default: the bound within which every
+/// instance sees a reset, a lifted block, a raised quota or a Redis restarted empty.
+pub const DEFAULT_DENY_CACHE_MAX_AGE: Duration = Duration::from_secs(1);
+
 /// The builder's state before an outage policy is chosen.
 #[derive(Debug, Clone, Copy)]
 pub struct PolicyUnset;
@@ -39,6 +43,7 @@ pub struct LimiterBuilder<S, P = PolicyUnset> {
     rules: Vec<Rule>,
     leases: Vec<(String, LeaseConfig)>,
     deny_cache: Option<usize>,
+    deny_cache_max_age: Duration,
     policy: Option<OnStoreError>,
     deadline: Duration,
     breaker: BreakerConfig,
@@ -63,6 +68,7 @@ impl Limiter {
             rules: Vec::new(),
             leases: Vec::new(),
             deny_cache: None,
+            deny_cache_max_age: DEFAULT_DENY_CACHE_MAX_AGE,
             policy: None,
             deadline: DEFAULT_DEADLINE,
             breaker: BreakerConfig::default(),
@@ -107,10 +113,21 @@ impl<S: Store, P> LimiterBuilder<S, P> {
 
     /// Remember up to this many store denials (default 10,000 for stores that can fail, none
     /// for the memory store; 0 turns it off): a key the store refused until T is refused in
-    /// process until T for a request of the same cost, so a flood on an exhausted key costs one
-    /// store call per retry period, not one per request. Single-rule requests only.
+    /// process until T, or for [`deny_cache_max_age`](LimiterBuilder::deny_cache_max_age) at
+    /// most, for a request of the same cost, so a flood on an exhausted key costs one store
+    /// call per key and instance per second, not one per request. Single-rule requests only.
     pub fn deny_cache(mut self, capacity: usize) -> Self {
         self.deny_cache = Some(capacity);
+        self
+    }
+
+    /// How long a remembered store denial is trusted (default
+    /// [`DEFAULT_DENY_CACHE_MAX_AGE`], 1 s): a key reset, unblocked, given a larger quota or
+    /// wiped by a Redis restart is admitted again by every instance within this bound, while a
+    /// flood on an exhausted key still costs at most one store call per key and instance per
+    /// this period. Must be greater than zero (turn the cache off with `deny_cache(0)`).
+    pub fn deny_cache_max_age(mut self, max_age: Duration) -> Self {
+        self.deny_cache_max_age = max_age;
         self
     }
 
@@ -134,6 +151,12 @@ impl<S: Store, P> LimiterBuilder<S, P> {
             return Err(ConfigError::Invalid {
                 setting: "deadline",
                 reason: "must be greater than zero".into(),
+            });
+        }
+        if self.deny_cache_max_age.is_zero() {
+            return Err(ConfigError::Invalid {
+                setting: "deny_cache_max_age",
+                reason: "must be greater than zero; turn the cache off with deny_cache(0)".into(),
             });
         }
         if self.breaker.failures == 0 || self.breaker.cool_down.is_zero() {
@@ -170,7 +193,8 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 me: me.clone(),
                 leases: Leases::new(lease_configs.into_boxed_slice()),
-                denials: (deny_cache > 0).then(|| DenialCache::new(deny_cache)),
+                denials: (deny_cache > 0)
+                    .then(|| DenialCache::new(deny_cache, self.deny_cache_max_age)),
                 store: Arc::new(self.store),
                 rules: self.rules.into_boxed_slice(),
                 policy,
@@ -192,6 +216,7 @@ impl<S: Store> LimiterBuilder<S, PolicyUnset> {
             rules: self.rules,
             leases: self.leases,
             deny_cache: self.deny_cache,
+            deny_cache_max_age: self.deny_cache_max_age,
             policy: Some(policy),
             deadline: self.deadline,
             breaker: self.breaker,

@@ -2,9 +2,11 @@
 //! flood on an exhausted key costs one store call per retry period, not one per request.
 //!
 //! Promise: a remembered denial answers only the request it proves (the same rule, key and
-//! cost), never after the store's own retry time, and with headers computed at the moment of the
-//! answer (`retry_after` and `reset_after` count down from the store's answer). Bounded: at most
-//! the configured number of keys, the ones that end first forgotten first.
+//! cost), never after the store's own retry time nor longer than `max_age` after the store said
+//! it (so a reset, a block lifted, a quota raised or a Redis restarted empty is seen by every
+//! instance within `max_age`), and with headers computed at the moment of the answer
+//! (`retry_after` and `reset_after` count down from the store's answer). Bounded: at most the
+//! configured number of keys, the ones that end first forgotten first.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -18,8 +20,11 @@ pub(crate) type SlotKey = (usize, Key);
 
 #[derive(Debug, Clone, Copy)]
 struct Remembered {
-    /// Refused until (µs, the limiter's clock).
+    /// Answered from here until (µs, the limiter's clock): the store's retry time, or `max_age`
+    /// after its answer if that comes first.
     until: u64,
+    /// The store's retry time (µs), for `retry_after`.
+    retry_at: u64,
     /// For requests of exactly this cost.
     cost: u64,
     /// Full again at (µs), for `reset_after`.
@@ -34,16 +39,19 @@ type Shard = Mutex<HashMap<SlotKey, Remembered>>;
 pub(crate) struct DenialCache {
     shards: Box<[Shard]>,
     per_shard: usize,
+    /// How long a store's denial is trusted (µs).
+    max_age: u64,
     hasher: hashbrown::DefaultHashBuilder,
 }
 
 const SHARDS: usize = 16;
 
 impl DenialCache {
-    pub(crate) fn new(capacity: usize) -> DenialCache {
+    pub(crate) fn new(capacity: usize, max_age: Duration) -> DenialCache {
         DenialCache {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_shard: capacity.div_ceil(SHARDS).max(1),
+            max_age: u64::try_from(max_age.as_micros()).unwrap_or(u64::MAX),
             hasher: hashbrown::DefaultHashBuilder::default(),
         }
     }
@@ -65,7 +73,7 @@ impl DenialCache {
             return None;
         }
         let mut d = r.decision;
-        d.retry_after = Some(Duration::from_micros(r.until - now));
+        d.retry_after = Some(Duration::from_micros(r.retry_at.saturating_sub(now)));
         d.reset_after = Duration::from_micros(r.reset_at.saturating_sub(now));
         d.source = Source::Cache;
         Some(d)
@@ -77,8 +85,10 @@ impl DenialCache {
         let (false, Some(retry)) = (d.allowed, d.retry_after) else {
             return;
         };
-        let until = asked_at + retry.as_micros() as u64;
-        let reset_at = asked_at + d.reset_after.as_micros() as u64;
+        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let retry_at = asked_at.saturating_add(micros(retry));
+        let until = retry_at.min(asked_at.saturating_add(self.max_age));
+        let reset_at = asked_at.saturating_add(micros(d.reset_after));
         let mut shard = self.shard(&key);
         if shard.len() >= self.per_shard && !shard.contains_key(&key) {
             shard.retain(|_, r| r.until > asked_at);
@@ -97,6 +107,7 @@ impl DenialCache {
             key,
             Remembered {
                 until,
+                retry_at,
                 cost,
                 reset_at,
                 decision: *d,
@@ -105,7 +116,7 @@ impl DenialCache {
     }
 
     /// Forget everything remembered about `key` under every rule.
-    #[allow(dead_code)]
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn forget(&self, key: &Key) {
         for shard in self.shards.iter() {
             shard
@@ -131,7 +142,7 @@ mod tests {
 
     #[test]
     fn answers_the_same_cost_with_waits_counted_down() {
-        let c = DenialCache::new(100);
+        let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
         c.remember(k.clone(), 2, &denial(1_000, 4_000), 0);
         let d = c.get(&k, 2, 250_000).unwrap();
@@ -158,8 +169,25 @@ mod tests {
     }
 
     #[test]
+    fn a_denial_is_trusted_for_max_age_at_most() {
+        let c = DenialCache::new(100, Duration::from_secs(1));
+        let k = (0, Key::new("k"));
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), 0);
+        let d = c.get(&k, 1, 999_999).unwrap();
+        assert_eq!(
+            d.retry_after,
+            Some(Duration::from_micros(29_000_001)),
+            "the store's own wait, counted down"
+        );
+        assert!(
+            c.get(&k, 1, 1_000_000).is_none(),
+            "past max_age the store is asked again"
+        );
+    }
+
+    #[test]
     fn admissions_and_permanent_denials_are_not_remembered() {
-        let c = DenialCache::new(100);
+        let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
         c.remember(k.clone(), 1, &Decision::admit(10, 9, Duration::ZERO), 0);
         c.remember(
@@ -174,7 +202,7 @@ mod tests {
 
     #[test]
     fn bounded_forgetting_the_first_to_end() {
-        let c = DenialCache::new(SHARDS);
+        let c = DenialCache::new(SHARDS, Duration::from_secs(60));
         for i in 0..1_000u64 {
             c.remember(
                 (0, Key::new(i.to_be_bytes())),

@@ -26,7 +26,9 @@ pub(crate) mod waiting;
 
 pub use breaker::BreakerConfig;
 use breaker::Breakers;
-pub use builder::{InfallibleStore, LimiterBuilder, PolicyUnset, DEFAULT_DEADLINE};
+pub use builder::{
+    InfallibleStore, LimiterBuilder, PolicyUnset, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_MAX_AGE,
+};
 use denials::DenialCache;
 pub use lease_config::LeaseConfig;
 use leases::Leases;
@@ -54,8 +56,10 @@ impl Receipt {
     }
 }
 
-/// Counters of what the limiter did; see [`Limiter::stats`].
+/// Counters of what the limiter did; see [`Limiter::stats`]. With the `serde` feature, it
+/// serialises as a JSON object of these fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct LimiterStats {
     /// Decisions made by the outage policy instead of the store.
@@ -145,7 +149,16 @@ impl std::fmt::Debug for Limiter {
     }
 }
 
-type Targets = [(usize, Key)];
+/// One rule (by its index in [`Limiter::rules`]) applied to one key at one cost: a request
+/// charged by size on one rule and 1 on another is one atomic decision over two targets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    pub(crate) rule: usize,
+    pub(crate) key: Key,
+    pub(crate) cost: u64,
+}
+
+type Targets = [Target];
 
 impl Limiter {
     /// The limiter's rules.
@@ -164,8 +177,8 @@ impl Limiter {
     /// The decision a request of cost 1 would get, without taking anything; `remaining` is the
     /// count right now.
     pub async fn peek(&self, key: &Key) -> Result<Decision, Error> {
-        let targets = self.every_rule(key);
-        let decisions = self.apply_indexed(Op::Peek, &targets, 1).await?;
+        let targets = self.every_rule(key, 1);
+        let decisions = self.apply_indexed(Op::Peek, &targets).await?;
         most_restrictive(decisions)
     }
 
@@ -193,8 +206,8 @@ impl Limiter {
         key: &Key,
         cost: u64,
     ) -> Result<(Decision, Option<Receipt>), Error> {
-        let targets = self.every_rule(key);
-        let decisions = self.apply_indexed(Op::Consume, &targets, cost).await?;
+        let targets = self.every_rule(key, cost);
+        let decisions = self.apply_indexed(Op::Consume, &targets).await?;
         let receipt = self.receipt(&targets, &decisions);
         Ok((most_restrictive(decisions)?, receipt))
     }
@@ -330,10 +343,14 @@ impl Limiter {
                     .iter()
                     .position(|r| r.name() == *name)
                     .ok_or_else(|| Error::UnknownRule((*name).to_owned()))?;
-                Ok((i, (*key).clone()))
+                Ok(Target {
+                    rule: i,
+                    key: (*key).clone(),
+                    cost,
+                })
             })
             .collect::<Result<Vec<_>, Error>>()?;
-        self.apply_indexed(op, &indexed, cost).await
+        self.apply_indexed(op, &indexed).await
     }
 
     /// Give back every unspent leased permit now and leave leased mode (for a shutdown; idle
@@ -361,25 +378,25 @@ impl Limiter {
     pub(crate) fn consume_now(
         &self,
         targets: &Targets,
-        cost: u64,
     ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
         let inner = &self.inner;
-        if inner.policy.is_some() || cost == 0 || !inner.leases.is_idle() {
+        if inner.policy.is_some() || targets.iter().any(|t| t.cost == 0) || !inner.leases.is_idle()
+        {
             return None;
         }
         let started = Instant::now();
         let rules = &inner.rules;
         let decisions: smallvec::SmallVec<[Decision; 2]> = match targets {
-            [(i, key)] => {
+            [target] => {
                 let check = Check {
-                    rule: rules.get(*i)?,
-                    key,
-                    cost,
+                    rule: rules.get(target.rule)?,
+                    key: &target.key,
+                    cost: target.cost,
                 };
                 smallvec::smallvec![inner.store.check_in_process(Op::Consume, &check)?]
             }
             _ => {
-                let checks = self.checks(targets, cost).ok()?;
+                let checks = self.checks(targets).ok()?;
                 inner.store.apply_in_process(Op::Consume, &checks)?.into()
             }
         };
@@ -387,19 +404,22 @@ impl Limiter {
         Some(decisions)
     }
 
-    /// Like [`apply_to`](Limiter::apply_to), with rules by their index in [`rules`](Limiter::rules).
+    /// Like [`apply_to`](Limiter::apply_to), with rules by their index in [`rules`](Limiter::rules)
+    /// and a cost per target.
     pub(crate) async fn apply_indexed(
         &self,
         op: Op,
         targets: &Targets,
-        cost: u64,
     ) -> Result<Vec<Decision>, Error> {
-        if cost == 0 {
-            return Err(Error::InvalidCost(0));
-        }
-        for (i, (rule, key)) in targets.iter().enumerate() {
-            if targets[..i].iter().any(|(r, k)| r == rule && k == key) {
-                let name = self.inner.rules.get(*rule).map_or("?", |r| r.name());
+        for (i, target) in targets.iter().enumerate() {
+            if target.cost == 0 {
+                return Err(Error::InvalidCost(0));
+            }
+            if targets[..i]
+                .iter()
+                .any(|t| t.rule == target.rule && t.key == target.key)
+            {
+                let name = self.inner.rules.get(target.rule).map_or("?", |r| r.name());
                 return Err(Error::DuplicateTarget(name.to_owned()));
             }
         }
@@ -407,29 +427,37 @@ impl Limiter {
             return Ok(Vec::new());
         }
         let started = Instant::now();
-        let checks = self.checks(targets, cost)?;
+        let checks = self.checks(targets)?;
         let decisions = self.inner.decide(op, &checks).await?;
         self.inner.trace(targets, &decisions, started);
         Ok(decisions)
     }
 
-    fn checks<'a>(&'a self, targets: &'a Targets, cost: u64) -> Result<Vec<Check<'a>>, Error> {
+    fn checks<'a>(&'a self, targets: &'a Targets) -> Result<Vec<Check<'a>>, Error> {
         targets
             .iter()
-            .map(|(i, key)| {
+            .map(|t| {
                 let rule = self
                     .inner
                     .rules
-                    .get(*i)
-                    .ok_or_else(|| Error::UnknownRule(format!("#{i}")))?;
-                Ok(Check { rule, key, cost })
+                    .get(t.rule)
+                    .ok_or_else(|| Error::UnknownRule(format!("#{}", t.rule)))?;
+                Ok(Check {
+                    rule,
+                    key: &t.key,
+                    cost: t.cost,
+                })
             })
             .collect()
     }
 
-    fn every_rule(&self, key: &Key) -> smallvec::SmallVec<[(usize, Key); 2]> {
+    fn every_rule(&self, key: &Key, cost: u64) -> smallvec::SmallVec<[Target; 2]> {
         (0..self.inner.rules.len())
-            .map(|i| (i, key.clone()))
+            .map(|rule| Target {
+                rule,
+                key: key.clone(),
+                cost,
+            })
             .collect()
     }
 
@@ -439,7 +467,7 @@ impl Limiter {
             .iter()
             .zip(decisions)
             .filter(|(_, d)| d.allowed)
-            .filter_map(|((i, key), d)| Some((*i, key.clone(), d.taken?)))
+            .filter_map(|(t, d)| Some((t.rule, t.key.clone(), d.taken?)))
             .collect();
         (!parts.is_empty()).then(|| Receipt {
             issuer: self.id(),
@@ -545,11 +573,12 @@ impl Inner {
             return;
         }
         let latency_us = started.elapsed().as_micros() as u64;
-        for ((i, key), d) in targets.iter().zip(decisions) {
-            let rule = self.rules.get(*i).map_or("?", |r| r.name());
+        for (t, d) in targets.iter().zip(decisions) {
+            let rule = self.rules.get(t.rule).map_or("?", |r| r.name());
             tracing::debug!(
                 rule,
-                %key,
+                key = %t.key,
+                cost = t.cost,
                 allowed = d.allowed,
                 remaining = d.remaining,
                 source = ?d.source,

@@ -1,0 +1,223 @@
+//! Request bodies read before the rate-limit decision, so keys and costs can come from them
+//! (the account name of a JSON login, a form field), and put back for the handler.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::BodyExt;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::{verdict::Refused, ResponseBody, Scope};
+
+/// The body of a request as [`BufferBodyLayer`] read it, in the request's extensions, for
+/// extractors ([`key::json_field`](crate::key::json_field),
+/// [`key::form_field`](crate::key::form_field)) and cost functions (`parts.extensions`).
+#[derive(Debug, Clone)]
+pub struct BufferedBody(Bytes);
+
+impl BufferedBody {
+    /// The body's bytes.
+    pub fn bytes(&self) -> &Bytes {
+        &self.0
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Put `body` in `parts` as if a [`BufferBodyLayer`] had read it (doc examples and tests).
+    #[doc(hidden)]
+    pub fn __for_tests(parts: &mut Parts, body: &[u8]) {
+        parts
+            .extensions
+            .insert(BufferedBody(Bytes::copy_from_slice(body)));
+    }
+}
+
+/// Reads the bodies of chosen requests (at most `max_bytes` each) before the layers inside it,
+/// so a [`RateLimitLayer`](super::RateLimitLayer) inside can key or charge by what the body
+/// says, and hands the handler the same bytes.
+///
+/// By default it reads JSON (`application/json`, `…+json`) and form
+/// (`application/x-www-form-urlencoded`) bodies; narrow it to the routes that need it with
+/// [`route`](BufferBodyLayer::route) or [`when`](BufferBodyLayer::when). Other requests pass
+/// untouched, their bodies streaming as before. A body over `max_bytes` (declared or read) is
+/// answered `413` with `{"error":"body_too_large"}`, a body that fails to arrive `400`: neither
+/// reaches a rate-limit decision or the handler.
+///
+/// Put it outside the rate-limit layer (in axum, the later `.layer` call):
+///
+/// ```
+/// use axum::{routing::post, Router};
+/// use fleetlimit::layer::{BufferBodyLayer, Scope};
+/// use fleetlimit::{key, Limiter, MemoryStore, MissingKey, Quota, RateLimitLayer, Rule};
+/// use http::Method;
+///
+/// let limiter = Limiter::builder(MemoryStore::new())
+///     .rule(Rule::new("login-account", Quota::per_minute(5).build()?)?)
+///     .build()?;
+/// let login = Scope::new()
+///     .route(Method::POST, "/login")
+///     .key(key::json_field("/account"))
+///     .on_missing_key(MissingKey::Reject);
+/// let app: Router = Router::new()
+///     .route("/login", post(|body: String| async move { body }))
+///     .layer(RateLimitLayer::builder(limiter).scope("login-account", login).build()?)
+///     .layer(BufferBodyLayer::new(16 * 1024).route(Method::POST, "/login"));
+/// # let _ = app;
+/// # Ok::<(), fleetlimit::ConfigError>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct BufferBodyLayer {
+    config: Arc<BufferConfig>,
+}
+
+#[derive(Clone, Debug)]
+struct BufferConfig {
+    max_bytes: usize,
+    only: Option<Scope>,
+}
+
+impl BufferBodyLayer {
+    /// Read JSON and form bodies of at most `max_bytes`.
+    pub fn new(max_bytes: usize) -> BufferBodyLayer {
+        BufferBodyLayer {
+            config: Arc::new(BufferConfig {
+                max_bytes,
+                only: None,
+            }),
+        }
+    }
+
+    fn only(mut self, f: impl FnOnce(Scope) -> Scope) -> Self {
+        let config = Arc::make_mut(&mut self.config);
+        config.only = Some(f(config.only.take().unwrap_or_default()));
+        self
+    }
+
+    /// Only requests with this method and path ([`Scope::route`]'s syntax), whatever their
+    /// content type.
+    pub fn route(self, method: Method, path: &str) -> Self {
+        self.only(|scope| scope.route(method, path))
+    }
+
+    /// Only requests for which `predicate` is true, whatever their content type.
+    pub fn when(self, predicate: impl Fn(&Parts) -> bool + Send + Sync + 'static) -> Self {
+        self.only(|scope| scope.when(predicate))
+    }
+}
+
+impl BufferConfig {
+    fn wants(&self, parts: &Parts) -> bool {
+        match &self.only {
+            Some(scope) => scope.matches(parts),
+            None => parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|ct| {
+                    let mime = ct.split(';').next().unwrap_or("").trim();
+                    mime.eq_ignore_ascii_case("application/json")
+                        || mime.ends_with("+json")
+                        || mime.eq_ignore_ascii_case("application/x-www-form-urlencoded")
+                }),
+        }
+    }
+}
+
+impl<S> Layer<S> for BufferBodyLayer {
+    type Service = BufferBody<S>;
+
+    fn layer(&self, inner: S) -> BufferBody<S> {
+        BufferBody {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}
+
+/// The service made by [`BufferBodyLayer`].
+#[derive(Clone, Debug)]
+pub struct BufferBody<S> {
+    inner: S,
+    config: Arc<BufferConfig>,
+}
+
+/// The future of a [`BufferBody`] call.
+pub type BufferFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send>>;
+
+impl<S, B, ResBody> Service<Request<B>> for BufferBody<S>
+where
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: 'static,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = BufferFuture<Self::Response, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let (mut parts, body) = req.into_parts();
+        if !self.config.wants(&parts) {
+            let future = inner.call(Request::from_parts(parts, body));
+            return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
+        }
+        let max = self.config.max_bytes;
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        Box::pin(async move {
+            if declared.is_some_and(|n| n > max as u64) {
+                return Ok(refused(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"));
+            }
+            let bytes = match http_body_util::Limited::new(body, max).collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(error) => {
+                    if error.is::<http_body_util::LengthLimitError>() {
+                        return Ok(refused(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"));
+                    }
+                    tracing::debug!(%error, "fleetlimit: a request body failed to arrive");
+                    return Ok(refused(StatusCode::BAD_REQUEST, "body_unreadable"));
+                }
+            };
+            parts.extensions.insert(BufferedBody(bytes.clone()));
+            let response = inner
+                .call(Request::from_parts(parts, B::from(bytes)))
+                .await?;
+            Ok(response.map(ResponseBody::inner))
+        })
+    }
+}
+
+fn refused<B>(status: StatusCode, error: &str) -> Response<ResponseBody<B>> {
+    let mut response = super::response::json(
+        status,
+        "application/json",
+        format!(r#"{{"error":"{error}"}}"#),
+    );
+    response.extensions_mut().insert(Refused);
+    response.map(ResponseBody::full)
+}

@@ -1,0 +1,610 @@
+//! One layer for a whole service: a cost per rule decided in one atomic step, stacked layers
+//! that are all or nothing and agree on their headers, keys from the body, per-scope settings
+//! and axum route patterns, and a denial cache that forgets on time.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use axum::response::Response;
+use axum::{routing::get, routing::post, Router};
+use fleetlimit::key::{self, PeerIp};
+use fleetlimit::layer::{BufferBodyLayer, Scope};
+use fleetlimit::store::{Op, RedisStore};
+use fleetlimit::{
+    Algorithm, HeaderStyle, Key, Limiter, ManualClock, MemoryStore, MissingKey, OnStoreError,
+    Quota, RateLimitInfo, RateLimitLayer, Rule, Source,
+};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+const KIB: u64 = 1024;
+
+fn rule(name: &str, limit: u64) -> Rule {
+    Rule::new(
+        name,
+        Quota::per_minute(limit)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+fn limiter(rules: Vec<Rule>) -> Limiter {
+    let store = MemoryStore::builder()
+        .clock(ManualClock::default())
+        .build()
+        .unwrap();
+    rules
+        .into_iter()
+        .fold(Limiter::builder(store), |b, r| b.rule(r))
+        .build()
+        .unwrap()
+}
+
+/// The upload's declared size in KiB, rounded up; at least 1.
+fn kib(parts: &http::request::Parts) -> u64 {
+    parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .unwrap_or(0)
+        .div_ceil(KIB)
+        .max(1)
+}
+
+async fn send(app: &Router, method: Method, path: &str, headers: &[(&str, &str)]) -> Response {
+    send_body(app, method, path, headers, Vec::new()).await
+}
+
+async fn send_body(
+    app: &Router,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Response {
+    let mut b = Request::builder().method(method).uri(path);
+    for (n, v) in headers {
+        b = b.header(*n, *v);
+    }
+    let mut req = b.body(Body::from(body)).unwrap();
+    req.extensions_mut()
+        .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+    app.clone().oneshot(req).await.unwrap()
+}
+
+fn h(r: &Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+}
+
+async fn body_json(r: Response) -> serde_json::Value {
+    let bytes = r.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+/// What `rule` has left for `key`, consuming nothing.
+async fn left(limiter: &Limiter, rule: &str, key: &Key) -> u64 {
+    limiter.apply_to(Op::Peek, &[(rule, key)], 1).await.unwrap()[0].remaining
+}
+
+fn upload(bytes: u64) -> [(&'static str, String); 2] {
+    [
+        ("x-api-key", "tenant-1".to_owned()),
+        ("content-length", bytes.to_string()),
+    ]
+}
+
+async fn put(app: &Router, bytes: u64) -> Response {
+    let headers = upload(bytes);
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    send(app, Method::POST, "/upload", &headers).await
+}
+
+fn routes() -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/upload", post(|| async { "stored" }))
+}
+
+#[tokio::test]
+async fn each_rule_has_its_own_cost_in_one_atomic_step() {
+    let limiter = limiter(vec![rule("plan", 60), rule("uploads", 1000)]);
+    let app = routes().layer(
+        RateLimitLayer::builder(limiter.clone())
+            .key(key::header("x-api-key"))
+            .scope(
+                "uploads",
+                Scope::new().route(Method::POST, "/upload").cost(kib),
+            )
+            .cost_exceeds_limit_status(StatusCode::PAYLOAD_TOO_LARGE)
+            .build()
+            .unwrap(),
+    );
+    let tenant = Key::new("tenant-1");
+    for n in 0..3 {
+        assert_eq!(put(&app, 300 * KIB).await.status(), StatusCode::OK, "{n}");
+    }
+    // 900 of 1000 KiB used: the 4th 300 KiB upload is refused by the upload rule, and the
+    // headers say so (not the plan rule's 57 left).
+    let r = put(&app, 300 * KIB).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(h(&r, "ratelimit-limit").as_deref(), Some("1000"));
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("100"));
+    assert!(h(&r, "retry-after").is_some());
+    // All or nothing: the refused upload took nothing from the plan.
+    assert_eq!(left(&limiter, "plan", &tenant).await, 57);
+    assert_eq!(left(&limiter, "uploads", &tenant).await, 100);
+    // A 100 KiB upload fits: 1 from the plan, 100 from the uploads.
+    assert_eq!(put(&app, 100 * KIB).await.status(), StatusCode::OK);
+    assert_eq!(left(&limiter, "plan", &tenant).await, 56);
+    assert_eq!(left(&limiter, "uploads", &tenant).await, 0);
+    // 2 MiB can never fit in 1000 KiB: 413, with no Retry-After, and nothing taken.
+    let r = put(&app, 2048 * KIB).await;
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(h(&r, "retry-after").is_none());
+    assert_eq!(body_json(r).await["error"], "cost_exceeds_limit");
+    assert_eq!(left(&limiter, "plan", &tenant).await, 56);
+    // Other routes cost 1 on the plan only.
+    let r = send(&app, Method::GET, "/", &[("x-api-key", "tenant-1")]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("55"));
+}
+
+#[tokio::test]
+async fn a_scope_cost_of_zero_leaves_the_request_out_of_that_rule() {
+    let limiter = limiter(vec![rule("plan", 10), rule("writes", 1)]);
+    let app = routes().layer(
+        RateLimitLayer::builder(limiter.clone())
+            .key(key::header("x-api-key"))
+            .scope(
+                "writes",
+                Scope::new().cost(|p| u64::from(p.method == Method::POST)),
+            )
+            .build()
+            .unwrap(),
+    );
+    for _ in 0..3 {
+        let r = send(&app, Method::GET, "/", &[("x-api-key", "t")]).await;
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    assert_eq!(put(&app, 1).await.status(), StatusCode::OK);
+    assert_eq!(
+        put(&app, 1).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "one write per minute, reads not counted on it"
+    );
+}
+
+/// The issue's run-time fault: an outer layer (the plan) and an inner one on the upload route.
+fn stacked(outer: &Limiter, inner: &Limiter, style: HeaderStyle) -> Router {
+    let uploads = RateLimitLayer::builder(inner.clone())
+        .key(key::header("x-api-key"))
+        .cost(kib)
+        .headers(style)
+        .cost_exceeds_limit_status(StatusCode::PAYLOAD_TOO_LARGE)
+        .build()
+        .unwrap();
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route(
+            "/upload",
+            post(
+                |info: axum::Extension<RateLimitInfo>| async move { info.decision.limit.to_string() },
+            )
+            .layer(uploads),
+        )
+        .layer(
+            RateLimitLayer::builder(outer.clone())
+                .key(key::header("x-api-key"))
+                .headers(style)
+                .build()
+                .unwrap(),
+        )
+}
+
+#[tokio::test]
+async fn stacked_layers_are_all_or_nothing_and_show_the_most_restrictive() {
+    let outer = limiter(vec![rule("plan", 60)]);
+    let inner = limiter(vec![rule("uploads", 1000)]);
+    let app = stacked(&outer, &inner, HeaderStyle::Draft6);
+    let tenant = Key::new("tenant-1");
+    for _ in 0..3 {
+        let r = put(&app, 300 * KIB).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        // The more restrictive of the two: 60 - n plan permits against 1000 - 300 n KiB.
+        assert_eq!(h(&r, "ratelimit-limit").as_deref(), Some("60"));
+    }
+    let r = put(&app, 300 * KIB).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        h(&r, "ratelimit-limit").as_deref(),
+        Some("1000"),
+        "the outer layer must not overwrite the inner denial's headers"
+    );
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("100"));
+    let retry: u64 = h(&r, "retry-after").unwrap().parse().unwrap();
+    let reset: u64 = h(&r, "ratelimit-reset").unwrap().parse().unwrap();
+    assert!(
+        retry >= 1 && reset >= retry.saturating_sub(1),
+        "{retry} {reset}"
+    );
+    assert_eq!(
+        left(&outer, "plan", &tenant).await,
+        57,
+        "the inner denial gave the outer layer's permit back"
+    );
+    let r = put(&app, 2048 * KIB).await;
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(h(&r, "ratelimit-limit").as_deref(), Some("1000"));
+    assert_eq!(left(&outer, "plan", &tenant).await, 57);
+    // An admitted upload shows the tighter one; the handler saw the tighter decision too.
+    let r = put(&app, 50 * KIB).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("50"));
+    let bytes = r.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        &bytes[..],
+        b"1000",
+        "the handler's RateLimitInfo is the tighter rule's"
+    );
+    assert_eq!(left(&outer, "plan", &tenant).await, 56);
+}
+
+#[tokio::test]
+async fn stacked_layers_list_every_policy_in_the_ietf_style() {
+    let outer = limiter(vec![rule("plan", 60)]);
+    let inner = limiter(vec![rule("uploads", 1000)]);
+    let app = stacked(&outer, &inner, HeaderStyle::Ietf);
+    let r = put(&app, 300 * KIB).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        h(&r, "ratelimit-policy").as_deref(),
+        Some("\"uploads\";q=1000;w=60, \"plan\";q=60;w=60")
+    );
+    let state = h(&r, "ratelimit").unwrap();
+    assert!(state.starts_with("\"uploads\";r=700;t="), "{state}");
+    assert!(state.contains(", \"plan\";r=59;t="), "{state}");
+    for _ in 0..2 {
+        put(&app, 300 * KIB).await;
+    }
+    let r = put(&app, 300 * KIB).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    let state = h(&r, "ratelimit").unwrap();
+    assert!(state.starts_with("\"uploads\";r=100;t="), "{state}");
+    assert!(
+        state.contains(", \"plan\";r=57;t="),
+        "the plan's permit is shown given back: {state}"
+    );
+    // Requests the inner layer does not see carry the outer layer's policy only.
+    let r = send(&app, Method::GET, "/", &[("x-api-key", "tenant-1")]).await;
+    assert_eq!(
+        h(&r, "ratelimit-policy").as_deref(),
+        Some("\"plan\";q=60;w=60")
+    );
+}
+
+#[tokio::test]
+async fn a_refunded_response_shows_the_permits_given_back() {
+    let limiter = limiter(vec![rule("login", 3)]);
+    let app = Router::new()
+        .route(
+            "/login",
+            post(|body: String| async move {
+                if body == "right" {
+                    StatusCode::OK
+                } else {
+                    StatusCode::UNAUTHORIZED
+                }
+            }),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter)
+                .scope("login", Scope::new().refund_if(|s| s.is_success()))
+                .build()
+                .unwrap(),
+        );
+    let login =
+        |body: &'static str| send_body(&app, Method::POST, "/login", &[], body.as_bytes().to_vec());
+    let r = login("wrong").await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("2"));
+    let r = login("right").await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        h(&r, "ratelimit-remaining").as_deref(),
+        Some("2"),
+        "the successful login was given back before the headers were written"
+    );
+}
+
+fn login_app(limiter: Limiter) -> Router {
+    let layer = RateLimitLayer::builder(limiter)
+        .headers(HeaderStyle::Ietf)
+        .scope(
+            "login-account",
+            Scope::new()
+                .route(Method::POST, "/login")
+                .key(key::json_field("account"))
+                .on_missing_key(MissingKey::Reject)
+                .refund_if(|s| s.is_success()),
+        )
+        .scope(
+            "login-ip",
+            Scope::new()
+                .route(Method::POST, "/login")
+                .key(PeerIp::default()),
+        )
+        .build()
+        .unwrap();
+    Router::new()
+        .route(
+            "/login",
+            post(|body: axum::Json<serde_json::Value>| async move {
+                if body["password"] == "right" {
+                    StatusCode::OK
+                } else {
+                    StatusCode::UNAUTHORIZED
+                }
+            }),
+        )
+        .route("/", get(|| async { "ok" }))
+        .layer(layer)
+        .layer(BufferBodyLayer::new(1024).route(Method::POST, "/login"))
+}
+
+async fn login(app: &Router, body: &str) -> Response {
+    send_body(
+        app,
+        Method::POST,
+        "/login",
+        &[("content-type", "application/json")],
+        body.as_bytes().to_vec(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn logins_are_keyed_by_the_account_in_the_json_body() {
+    let limiter = limiter(vec![rule("login-account", 3), rule("login-ip", 20)]);
+    let app = login_app(limiter.clone());
+    for n in 0..3 {
+        let r = login(&app, r#"{"account":"alice","password":"guess"}"#).await;
+        assert_eq!(
+            r.status(),
+            StatusCode::UNAUTHORIZED,
+            "{n}: the handler read the body"
+        );
+    }
+    let r = login(&app, r#"{"account":"alice","password":"right"}"#).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "alice is locked");
+    let r = login(&app, r#"{"account":"bob","password":"guess"}"#).await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "bob is not alice");
+    let r = login(&app, r#"{"account":"carol","password":"right"}"#).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let state = h(&r, "ratelimit").unwrap();
+    assert!(
+        state.starts_with("\"login-account\";r=3;"),
+        "refunded on success: {state}"
+    );
+    // No account, a non-string account, malformed JSON: 400, never a 5xx, nothing counted.
+    let ip_before = left(
+        &limiter,
+        "login-ip",
+        &Key::from(std::net::IpAddr::from([198, 51, 100, 7])),
+    )
+    .await;
+    for body in [
+        r#"{"password":"x"}"#,
+        r#"{"account":{"a":1}}"#,
+        r#"{"account":"#,
+        "",
+    ] {
+        let r = login(&app, body).await;
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{body:?}");
+        assert_eq!(body_json(r).await["error"], "missing_rate_limit_key");
+    }
+    // A body over the limit is refused before any decision.
+    let big = format!(r#"{{"account":"dave","pad":"{}"}}"#, "x".repeat(2000));
+    let r = login(&app, &big).await;
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(body_json(r).await["error"], "body_too_large");
+    let ip = Key::from(std::net::IpAddr::from([198, 51, 100, 7]));
+    assert_eq!(left(&limiter, "login-ip", &ip).await, ip_before);
+    // Other routes are not read and not limited.
+    assert_eq!(
+        send(&app, Method::GET, "/", &[]).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn form_bodies_too_and_chunked_bodies_over_the_limit() {
+    let limiter = limiter(vec![rule("login", 1)]);
+    let app = Router::new()
+        .route("/login", post(|body: String| async move { body }))
+        .layer(
+            RateLimitLayer::builder(limiter)
+                .scope(
+                    "login",
+                    Scope::new()
+                        .key(key::form_field("user"))
+                        .on_missing_key(MissingKey::Reject),
+                )
+                .build()
+                .unwrap(),
+        )
+        .layer(BufferBodyLayer::new(64));
+    let form = [("content-type", "application/x-www-form-urlencoded")];
+    let r = send_body(
+        &app,
+        Method::POST,
+        "/login",
+        &form,
+        b"user=al%20ice&pw=1".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let bytes = r.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        &bytes[..],
+        b"user=al%20ice&pw=1",
+        "the handler gets the same bytes"
+    );
+    let r = send_body(&app, Method::POST, "/login", &form, b"user=al+ice".to_vec()).await;
+    assert_eq!(
+        r.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the same user, decoded"
+    );
+    // A streamed body (no length) that grows past the limit.
+    let mut req = Request::post("/login")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Body::new(Chunks(vec![vec![b'a'; 20]; 10])))
+        .unwrap();
+    req.extensions_mut()
+        .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+    let r = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+/// A body streamed in chunks, with no declared length.
+struct Chunks(Vec<Vec<u8>>);
+
+impl http_body::Body for Chunks {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        let next = (!self.0.is_empty()).then(|| self.0.remove(0));
+        std::task::Poll::Ready(next.map(|c| Ok(http_body::Frame::data(bytes::Bytes::from(c)))))
+    }
+}
+
+#[tokio::test]
+async fn a_scope_overrides_the_layers_missing_key_answer_and_matches_axum_routes() {
+    let limiter = limiter(vec![rule("accounts", 2), rule("users", 1)]);
+    let layer = RateLimitLayer::builder(limiter)
+        // The layer's key is the account; requests without one have no key at all (no peer
+        // fallback: the extractor below gives nothing without the header, and these requests
+        // come with no address).
+        .key(key::header("x-account"))
+        .scope("accounts", Scope::new().on_missing_key(MissingKey::Skip))
+        .scope(
+            "users",
+            Scope::new()
+                .route(Method::PUT, "/v1/users/{id}")
+                .method(Method::PATCH)
+                .key(key::header("x-account")),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new().nest(
+        "/v1",
+        Router::new()
+            .route(
+                "/users/{id}",
+                axum::routing::put(|| async { "put" }).patch(|| async { "patch" }),
+            )
+            .route("/health", get(|| async { "ok" }))
+            .layer(layer),
+    );
+    let call = |method: Method, path: &'static str, account: Option<&'static str>| {
+        let app = app.clone();
+        async move {
+            let mut b = Request::builder().method(method).uri(path);
+            if let Some(a) = account {
+                b = b.header("x-account", a);
+            }
+            app.oneshot(b.body(Body::empty()).unwrap())
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    // No account and no address: the layer alone would answer 500; the scope says skip.
+    for _ in 0..5 {
+        assert_eq!(call(Method::GET, "/v1/health", None).await, StatusCode::OK);
+    }
+    // Inside a nested router, `/v1/users/{id}` is the route axum matched: PUT and PATCH count.
+    assert_eq!(
+        call(Method::PUT, "/v1/users/7", Some("a")).await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        call(Method::PATCH, "/v1/users/8", Some("a")).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "one user change per minute, PUT or PATCH"
+    );
+    assert_eq!(
+        call(Method::PATCH, "/v1/users/8", Some("b")).await,
+        StatusCode::OK
+    );
+}
+
+async fn redis_limiter(url: &str, clock: ManualClock) -> Limiter {
+    let store = RedisStore::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .connect(url)
+        .await
+        .unwrap();
+    // A bucket refills 20 s after its last permit whenever the test runs (a fixed window could
+    // be about to end).
+    let bucket = Quota::per_minute(3)
+        .algorithm(Algorithm::TokenBucket)
+        .build()
+        .unwrap();
+    Limiter::builder(store)
+        .rule(Rule::new("api", bucket).unwrap())
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .clock(clock)
+        .build()
+        .unwrap()
+}
+
+/// The issue's second run-time fault: exhaust a client on instance A, delete the shared state
+/// (what an operator's reset or a Redis restarted empty does): A kept refusing from its denial
+/// cache for the rest of the window while B admitted. Now A follows within the documented bound
+/// (`DEFAULT_DENY_CACHE_MAX_AGE`), at the defaults.
+#[tokio::test]
+async fn instances_forget_remembered_denials_within_the_bound() {
+    let server = support::redis::RedisServer::start();
+    let clock_a = ManualClock::default();
+    let a = redis_limiter(&server.url(), clock_a.clone()).await;
+    let b = redis_limiter(&server.url(), ManualClock::default()).await;
+    let client = Key::new("client");
+    for _ in 0..3 {
+        assert!(a.consume(&client, 1).await.unwrap().allowed);
+    }
+    let refused = a.consume(&client, 1).await.unwrap();
+    assert!(!refused.allowed);
+    assert!(refused.retry_after.unwrap() > Duration::from_secs(1));
+    assert_eq!(a.consume(&client, 1).await.unwrap().source, Source::Cache);
+    server.cmd(&["FLUSHALL"]).unwrap();
+    assert!(b.consume(&client, 1).await.unwrap().allowed, "B asks Redis");
+    // Within the bound A may still answer from memory...
+    clock_a.advance(fleetlimit::DEFAULT_DENY_CACHE_MAX_AGE - Duration::from_millis(1));
+    let d = a.consume(&client, 1).await.unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.source, Source::Cache);
+    assert_eq!(
+        d.retry_after,
+        Some(refused.retry_after.unwrap() - Duration::from_millis(999)),
+        "the client is told the store's wait, counted down, not the cache's"
+    );
+    // ...and no longer.
+    clock_a.advance(Duration::from_millis(1));
+    let d = a.consume(&client, 1).await.unwrap();
+    assert!(d.allowed, "{d:?}");
+    assert_eq!(d.source, Source::Store);
+}
