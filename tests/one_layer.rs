@@ -608,3 +608,14 @@ async fn instances_forget_remembered_denials_within_the_bound() {
     assert!(d.allowed, "{d:?}");
     assert_eq!(d.source, Source::Store);
 }
+
+#[cfg(feature = "serde")]
+#[tokio::test]
+async fn stats_serialise_as_json() {
+    let l = limiter(vec![rule("api", 1)]);
+    l.consume(&Key::new("k"), 1).await.unwrap();
+    let v = serde_json::to_value(l.stats()).unwrap();
+    assert_eq!(v["store_errors"], 0);
+    assert_eq!(v["open_breakers"], 0);
+    assert!(v.get("leased_keys").is_some());
+}
