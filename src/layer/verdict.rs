@@ -130,15 +130,7 @@ impl Verdict {
     ) -> Option<BoxFuture<'static, ()>> {
         let inside = response.extensions().get::<RateLimitInfo>().copied();
         let refused_inside = response.extensions().get::<Refused>().is_some();
-        let status = response.status();
-        let config = self.config.clone();
-        let refund = self.refund(|rule| {
-            refused_inside
-                || config.scopes[rule]
-                    .refund_if
-                    .as_ref()
-                    .is_some_and(|refund| refund(status))
-        });
+        let refund = self.refund(refused_inside, response.status());
         let shown = merge(self.info(), inside);
         self.write_headers(&shown.decision, response.headers_mut());
         if self.would_deny || self.nested || inside.is_some() {
@@ -147,16 +139,27 @@ impl Verdict {
         refund
     }
 
-    /// Give back the permits of the rules `refund` names, if anything was taken; the decisions
-    /// then count them as there again.
-    fn refund(&mut self, refund: impl Fn(usize) -> bool) -> Option<BoxFuture<'static, ()>> {
+    /// Give back what was taken: everything when a layer inside refused the request, else the
+    /// rules whose `refund_if` accepts `status`. The decisions then count the permits as there
+    /// again.
+    fn refund(
+        &mut self,
+        refused_inside: bool,
+        status: StatusCode,
+    ) -> Option<BoxFuture<'static, ()>> {
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         if !self.governing.allowed || self.would_deny || !counted {
             return None; // nothing was taken from the shared budget
         }
         let mut refunds: Vec<(usize, Key, crate::Taken)> = Vec::new();
+        let scopes = &self.config.scopes;
         for (target, decision) in self.targets.iter().zip(self.decisions.iter_mut()) {
-            if !refund(target.rule) {
+            let refund = refused_inside
+                || scopes[target.rule]
+                    .refund_if
+                    .as_ref()
+                    .is_some_and(|refund| refund(status));
+            if !refund {
                 continue;
             }
             if let Some(taken) = decision.taken.take() {
@@ -209,34 +212,24 @@ pub(crate) fn no_key(grpc: bool) -> Response<Bytes> {
         "fleetlimit: no rate-limit key for a request (no extractor matched and no peer address; \
          serve axum with `into_make_service_with_connect_info::<SocketAddr>()`)"
     );
-    let mut response = if grpc {
-        response::grpc_status("13", "no rate-limit key")
-    } else {
-        response::json(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "application/json",
-            r#"{"error":"no_rate_limit_key"}"#,
-        )
-    };
-    response.extensions_mut().insert(Refused);
-    response
+    refusal(
+        grpc,
+        ("13", "no rate-limit key"),
+        StatusCode::INTERNAL_SERVER_ERROR,
+        r#"{"error":"no_rate_limit_key"}"#,
+    )
 }
 
 /// A scope's own key is missing and its rule says reject: the client's request is incomplete
 /// (400, or gRPC `INVALID_ARGUMENT`), said at `debug`: a client must not be able to fill the logs.
 pub(crate) fn missing_key(grpc: bool) -> Response<Bytes> {
     tracing::debug!("fleetlimit: a request without the key a rule requires was refused");
-    let mut response = if grpc {
-        response::grpc_status("3", "missing rate-limit key")
-    } else {
-        response::json(
-            StatusCode::BAD_REQUEST,
-            "application/json",
-            r#"{"error":"missing_rate_limit_key"}"#,
-        )
-    };
-    response.extensions_mut().insert(Refused);
-    response
+    refusal(
+        grpc,
+        ("3", "missing rate-limit key"),
+        StatusCode::BAD_REQUEST,
+        r#"{"error":"missing_rate_limit_key"}"#,
+    )
 }
 
 /// The response when no decision could be made: the limiter failed (a store error with no policy
@@ -248,14 +241,26 @@ pub(crate) fn failure(
     unavailable_status: StatusCode,
 ) -> Response<Bytes> {
     tracing::error!(%error, "fleetlimit: rate-limit decision failed");
+    refusal(
+        grpc,
+        ("14", "rate limiter unavailable"),
+        unavailable_status,
+        r#"{"error":"rate_limiter_unavailable"}"#,
+    )
+}
+
+/// A refusal the layer writes itself, the gRPC way or as JSON, marked [`Refused`] for the
+/// layers outside.
+fn refusal(
+    grpc: bool,
+    (grpc_code, grpc_message): (&'static str, &'static str),
+    status: StatusCode,
+    json: &'static str,
+) -> Response<Bytes> {
     let mut response = if grpc {
-        response::grpc_status("14", "rate limiter unavailable")
+        response::grpc_status(grpc_code, grpc_message)
     } else {
-        response::json(
-            unavailable_status,
-            "application/json",
-            r#"{"error":"rate_limiter_unavailable"}"#,
-        )
+        response::json(status, "application/json", json)
     };
     response.extensions_mut().insert(Refused);
     response
