@@ -12,7 +12,7 @@ use axum::http::{Method, Request, StatusCode};
 use axum::response::Response;
 use axum::{routing::get, routing::post, Router};
 use fleetlimit::key::{self, PeerIp};
-use fleetlimit::layer::{BufferBodyLayer, Scope};
+use fleetlimit::layer::{BufferBodyLayer, MeterBodyLayer, Scope};
 use fleetlimit::store::{Op, RedisStore};
 use fleetlimit::{
     Algorithm, HeaderStyle, Key, Limiter, ManualClock, MemoryStore, MissingKey, OnStoreError,
@@ -488,6 +488,84 @@ impl http_body::Body for Chunks {
         let next = (!self.0.is_empty()).then(|| self.0.remove(0));
         std::task::Poll::Ready(next.map(|c| Ok(http_body::Frame::data(bytes::Bytes::from(c)))))
     }
+}
+
+fn metered_uploads(limiter: Limiter) -> Router {
+    let layer = RateLimitLayer::builder(limiter)
+        .key(key::header("x-api-key"))
+        .scope(
+            "upload-kib",
+            Scope::new()
+                .route(Method::PUT, "/files/{name}")
+                .cost_body(KIB),
+        )
+        .cost_exceeds_limit_status(StatusCode::PAYLOAD_TOO_LARGE)
+        .build()
+        .unwrap();
+    Router::new()
+        .route(
+            "/files/{name}",
+            axum::routing::put(|body: bytes::Bytes| async move { body.len().to_string() }),
+        )
+        .layer(MeterBodyLayer)
+        .layer(layer)
+}
+
+async fn put_chunks(app: &Router, chunks: usize) -> Response {
+    let req = Request::put("/files/a")
+        .header("x-api-key", "tenant-1")
+        .body(Body::new(Chunks(vec![vec![b'x'; KIB as usize]; chunks])))
+        .unwrap();
+    app.clone().oneshot(req).await.unwrap()
+}
+
+#[tokio::test]
+async fn streamed_bodies_are_charged_by_the_bytes_read() {
+    let limiter = limiter(vec![rule("upload-kib", 10)]);
+    let app = metered_uploads(limiter.clone());
+    let tenant = Key::new("tenant-1");
+    // 4 KiB without a declared length: 1 KiB up front, 3 as the handler reads them.
+    let r = put_chunks(&app, 4).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("6"));
+    assert_eq!(left(&limiter, "upload-kib", &tenant).await, 6);
+    // 8 KiB more: the 7th KiB is refused while the handler reads it; the client gets the
+    // denial, not the handler's answer, and the budget is spent to exactly 0.
+    let r = put_chunks(&app, 8).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(h(&r, "retry-after").is_some());
+    assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("0"));
+    assert_eq!(left(&limiter, "upload-kib", &tenant).await, 0);
+    // A declared length is charged up front; one the quota can never hold is a 413 that
+    // takes nothing, and an empty body costs nothing.
+    let other = self::limiter(vec![rule("upload-kib", 10)]);
+    let app = metered_uploads(other.clone());
+    let declared = |bytes: usize| {
+        Request::put("/files/b")
+            .header("x-api-key", "tenant-1")
+            .header("content-length", bytes.to_string())
+            .body(Body::from(vec![b'y'; bytes]))
+            .unwrap()
+    };
+    let r = app.clone().oneshot(declared(11 * 1024)).await.unwrap();
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(left(&other, "upload-kib", &tenant).await, 10);
+    let r = app.clone().oneshot(declared(0)).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(left(&other, "upload-kib", &tenant).await, 10);
+    let r = app.clone().oneshot(declared(2500)).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        h(&r, "ratelimit-remaining").as_deref(),
+        Some("7"),
+        "3 KiB started"
+    );
+    // A unit of 0 bytes is a configuration error.
+    let err = RateLimitLayer::builder(other)
+        .scope("upload-kib", Scope::new().cost_body(0))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("cost_body"), "{err}");
 }
 
 #[tokio::test]

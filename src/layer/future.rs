@@ -79,7 +79,7 @@ where
     ) -> Self {
         // An in-process store decides on the spot: no boxed future, no extra state.
         if let Some(decisions) = config.limiter.consume_now(&targets) {
-            let mut verdict = Verdict::new(config, targets, decisions);
+            let mut verdict = Verdict::new(config, targets, decisions, grpc);
             if verdict.admits() {
                 verdict.admit(&mut req);
                 return ResponseFuture {
@@ -91,7 +91,7 @@ where
             }
             return ResponseFuture {
                 state: State::Answered {
-                    response: Some(verdict.denial(grpc)),
+                    response: Some(verdict.denial()),
                 },
                 verdict: None,
             };
@@ -161,14 +161,14 @@ where
                             return Poll::Ready(Ok(r.map(ResponseBody::full)));
                         }
                     };
-                    let mut verdict = Verdict::new(config, targets, decisions.into());
+                    let mut verdict = Verdict::new(config, targets, decisions.into(), grpc);
                     if verdict.admits() {
                         verdict.admit(&mut req);
                         let future = inner.call(req);
                         *this.verdict = Some(verdict);
                         this.state.set(State::Calling { future });
                     } else {
-                        return Poll::Ready(Ok(verdict.denial(grpc).map(ResponseBody::full)));
+                        return Poll::Ready(Ok(verdict.denial().map(ResponseBody::full)));
                     }
                 }
                 StateProj::Calling { future } => {
@@ -176,6 +176,9 @@ where
                     let Some(verdict) = this.verdict.as_mut() else {
                         return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                     };
+                    if let Some(refusal) = verdict.body_refusal() {
+                        return Poll::Ready(Ok(refusal.map(ResponseBody::full)));
+                    }
                     match verdict.on_response(&mut response) {
                         Some(refund) => this.state.set(State::Refunding {
                             refund,

@@ -103,9 +103,10 @@ impl Config {
             if !scope.matches(parts) {
                 continue;
             }
-            let cost = match &scope.cost {
-                Some(cost) => cost(parts),
-                None => *layer_cost
+            let cost = match (scope.body_unit, &scope.cost) {
+                (Some(unit), _) => body_cost(parts, unit),
+                (None, Some(cost)) => cost(parts),
+                (None, None) => *layer_cost
                     .get_or_insert_with(|| self.cost.as_ref().map_or(1, |cost| cost(parts))),
             };
             if cost == 0 {
@@ -149,6 +150,20 @@ impl Config {
         } else {
             Plan::Check { targets }
         }
+    }
+}
+
+/// The up-front cost of a rule charged by body size: the declared length in `unit`s started, or
+/// one unit when no length is declared (the rest is metered as it is read).
+fn body_cost(parts: &Parts, unit: u64) -> u64 {
+    match parts.headers.get(http::header::CONTENT_LENGTH) {
+        Some(length) => length
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            // An unreadable length is the client's; hyper refuses it before we see it.
+            .map_or(1, |bytes| bytes.div_ceil(unit.max(1))),
+        None => 1,
     }
 }
 
@@ -311,6 +326,12 @@ impl RateLimitLayerBuilder {
             return Err(ConfigError::Invalid {
                 setting: "cost_exceeds_limit_status",
                 reason: format!("{status} is not a client error status"),
+            });
+        }
+        if self.config.scopes.iter().any(|s| s.body_unit == Some(0)) {
+            return Err(ConfigError::Invalid {
+                setting: "Scope::cost_body",
+                reason: "a unit of 0 bytes".into(),
             });
         }
         let c = &self.config;

@@ -11,6 +11,7 @@ mod future;
 mod headers;
 #[allow(clippy::module_inception)]
 mod layer;
+mod meter;
 mod response;
 mod scope;
 mod service;
@@ -22,6 +23,7 @@ pub use buffer::{BufferBody, BufferBodyLayer, BufferFuture, BufferedBody};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{MissingKey, RateLimitLayer, RateLimitLayerBuilder};
+pub use meter::{BodyRateLimited, MeterBody, MeterBodyLayer, MeteredBody};
 pub use response::{Denial, DenialFn};
 pub use scope::Scope;
 pub use service::RateLimitService;

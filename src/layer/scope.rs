@@ -52,6 +52,8 @@ pub struct Scope {
     /// `None`: `Skip` for the scope's own key, the layer's setting for the layer's key.
     pub(crate) missing_key: Option<MissingKey>,
     pub(crate) cost: Option<CostFn>,
+    /// Charged by the body's bytes, in units of this many bytes (see [`Scope::cost_body`]).
+    pub(crate) body_unit: Option<u64>,
     pub(crate) refund_if: Option<RefundIf>,
 }
 
@@ -163,6 +165,7 @@ impl fmt::Debug for Scope {
             .field("key", &self.key.is_some())
             .field("missing_key", &self.missing_key)
             .field("cost", &self.cost.is_some())
+            .field("body_unit", &self.body_unit)
             .field("refund_if", &self.refund_if.is_some())
             .finish()
     }
@@ -234,6 +237,23 @@ impl Scope {
     /// cost of 0 leaves the request out of this rule.
     pub fn cost(mut self, cost: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Scope {
         self.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// Charge this rule by the request body's size, one permit per `unit_bytes` started (1024:
+    /// a quota in KiB), in place of any cost function. Up front, the declared `Content-Length`
+    /// is charged with the request's other rules, in one atomic step; a body without a declared
+    /// length (chunked) is charged one unit up front. With a
+    /// [`MeterBodyLayer`](super::MeterBodyLayer) inside this layer, every byte beyond what was
+    /// charged is charged as the handler reads it: when the rule refuses more, the body ends
+    /// with an error and the client gets this layer's denial (429 with `Retry-After`, or the
+    /// [`cost_exceeds_limit_status`](super::RateLimitLayerBuilder::cost_exceeds_limit_status)
+    /// for a body the quota can never hold) in place of the handler's response. Without that
+    /// layer, bodies of unknown length are charged one unit (a warning says so once). An empty
+    /// body (`Content-Length: 0`) is not charged. A `unit_bytes` of 0 is rejected when the
+    /// layer is built.
+    pub fn cost_body(mut self, unit_bytes: u64) -> Scope {
+        self.body_unit = Some(unit_bytes);
         self
     }
 

@@ -8,6 +8,7 @@ use bytes::Bytes;
 use http::{Response, StatusCode};
 
 use super::layer::{Config, Targets};
+use super::meter::{BodyMeter, Meter, Stopped};
 use super::{response, RateLimitInfo};
 use crate::store::BoxFuture;
 use crate::{Decision, Error, Key, Rule, Source};
@@ -31,10 +32,18 @@ pub(crate) struct Verdict {
     /// An outer fleetlimit layer admitted the request first: it learns this layer's outcome
     /// from the response's extensions.
     nested: bool,
+    grpc: bool,
+    /// Rules charged by body size, metered as the body is read.
+    meter: Option<Arc<Meter>>,
 }
 
 impl Verdict {
-    pub(crate) fn new(config: Arc<Config>, targets: Targets, decisions: Decisions) -> Verdict {
+    pub(crate) fn new(
+        config: Arc<Config>,
+        targets: Targets,
+        decisions: Decisions,
+        grpc: bool,
+    ) -> Verdict {
         let governing = governing(&decisions);
         let would_deny = !governing.allowed && config.shadow;
         if would_deny {
@@ -50,6 +59,8 @@ impl Verdict {
             governing,
             would_deny,
             nested: false,
+            grpc,
+            meter: None,
         }
     }
 
@@ -64,10 +75,54 @@ impl Verdict {
         let outer = req.extensions().get::<RateLimitInfo>().copied();
         self.nested = outer.is_some();
         req.extensions_mut().insert(merge(self.info(), outer));
+        if let Some(meter) = self.meter_for_body() {
+            req.extensions_mut().insert(BodyMeter(meter.clone()));
+            self.meter = Some(meter);
+        }
+    }
+
+    /// A meter for the rules charged by body size, when the request was charged for real.
+    fn meter_for_body(&self) -> Option<Arc<Meter>> {
+        let counted = matches!(self.governing.source, Source::Store | Source::Lease);
+        if self.would_deny || !counted {
+            return None;
+        }
+        let scopes = &self.config.scopes;
+        let mut meter: Option<Meter> = None;
+        for (index, target) in self.targets.iter().enumerate() {
+            if let Some(unit) = scopes[target.rule].body_unit {
+                meter
+                    .get_or_insert_with(|| Meter::new(self.config.limiter.clone()))
+                    .add(index, target, unit);
+            }
+        }
+        meter.filter(|m| !m.is_empty()).map(Arc::new)
+    }
+
+    /// The response in place of the service's when a metered body was refused more bytes (or
+    /// could not be charged): the handler saw its body end with an error.
+    pub(crate) fn body_refusal(&mut self) -> Option<Response<Bytes>> {
+        let meter = self.meter.as_ref()?;
+        match meter.stopped()? {
+            Stopped::Denied(refused) => {
+                let latest = meter.latest();
+                for (index, decision) in latest.into_iter().chain(refused) {
+                    if let Some(d) = self.decisions.get_mut(index) {
+                        *d = decision;
+                    }
+                }
+                self.governing = governing(&self.decisions);
+                Some(self.denial())
+            }
+            Stopped::Failed(error) => {
+                Some(failure(&error, self.grpc, self.config.unavailable_status))
+            }
+        }
     }
 
     /// The response refusing the request.
-    pub(crate) fn denial(&self, grpc: bool) -> Response<Bytes> {
+    pub(crate) fn denial(&self) -> Response<Bytes> {
+        let grpc = self.grpc;
         let c = &self.config;
         let statuses = response::Statuses {
             unavailable: c.unavailable_status,
@@ -130,6 +185,18 @@ impl Verdict {
     ) -> Option<BoxFuture<'static, ()>> {
         let inside = response.extensions().get::<RateLimitInfo>().copied();
         let refused_inside = response.extensions().get::<Refused>().is_some();
+        if let Some(meter) = &self.meter {
+            if !meter.attached() {
+                warn_unmetered();
+            }
+            for (index, decision) in meter.latest() {
+                if let Some(d) = self.decisions.get_mut(index) {
+                    let taken = d.taken.take();
+                    *d = Decision { taken, ..decision };
+                }
+            }
+            self.governing = governing(&self.decisions);
+        }
         let refund = self.refund(refused_inside, response.status());
         let shown = merge(self.info(), inside);
         self.write_headers(&shown.decision, response.headers_mut());
@@ -153,7 +220,12 @@ impl Verdict {
         }
         let mut refunds: Vec<(usize, Key, crate::Taken)> = Vec::new();
         let scopes = &self.config.scopes;
-        for (target, decision) in self.targets.iter().zip(self.decisions.iter_mut()) {
+        for (index, (target, decision)) in self
+            .targets
+            .iter()
+            .zip(self.decisions.iter_mut())
+            .enumerate()
+        {
             let refund = refused_inside
                 || scopes[target.rule]
                     .refund_if
@@ -169,6 +241,15 @@ impl Verdict {
                     .min(decision.limit);
                 refunds.push((target.rule, target.key.clone(), taken));
             }
+            if let Some(meter) = &self.meter {
+                for taken in meter.receipts(index) {
+                    decision.remaining = decision
+                        .remaining
+                        .saturating_add(taken.cost())
+                        .min(decision.limit);
+                    refunds.push((target.rule, target.key.clone(), taken));
+                }
+            }
         }
         if refunds.is_empty() {
             return None;
@@ -180,6 +261,18 @@ impl Verdict {
                 tracing::warn!(%error, "fleetlimit: refund failed; the permits stay taken");
             }
         }))
+    }
+}
+
+/// A rule charges by body size, but no `MeterBodyLayer` meters the bodies: said once.
+fn warn_unmetered() {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            "fleetlimit: a rule charges by body size (Scope::cost_body) but no MeterBodyLayer \
+             inside the rate-limit layer meters the bodies: a body without a declared length is \
+             charged one unit"
+        );
     }
 }
 
