@@ -147,25 +147,21 @@ impl Verdict {
         response
     }
 
-    fn rules(&self) -> Vec<&Rule> {
-        let rules = self.config.limiter.rules();
-        self.targets
-            .iter()
-            .filter_map(|t| rules.get(t.rule))
-            .collect()
-    }
-
     /// This layer's headers, the single-valued styles showing `shown` (the most restrictive
     /// decision of this layer and those inside it).
     fn write_headers(&self, shown: &Decision, headers: &mut http::HeaderMap) {
         let style = self.config.headers;
         // Only the IETF style names the rules; the others need no list.
-        let rules = if style == super::HeaderStyle::Ietf {
-            self.rules()
-        } else {
-            Vec::new()
-        };
-        style.write(&rules, &self.decisions, shown, headers);
+        if style != super::HeaderStyle::Ietf {
+            return style.write(&[], &self.decisions, shown, headers);
+        }
+        let rules = self.config.limiter.rules();
+        let applied: Vec<&Rule> = self
+            .targets
+            .iter()
+            .filter_map(|t| rules.get(t.rule))
+            .collect();
+        style.write(&applied, &self.decisions, shown, headers);
     }
 
     pub(crate) fn info(&self) -> RateLimitInfo {

@@ -196,7 +196,8 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 denials: (deny_cache > 0)
                     .then(|| DenialCache::new(deny_cache, self.deny_cache_max_age)),
                 store: Arc::new(self.store),
-                rules: self.rules.into_boxed_slice(),
+                rules: arc_swap::ArcSwap::from_pointee(self.rules),
+                changing: parking_lot::Mutex::new(()),
                 policy,
                 deadline: self.deadline,
                 breakers: Breakers::new(domains, self.breaker),

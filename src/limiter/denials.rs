@@ -115,6 +115,13 @@ impl DenialCache {
         );
     }
 
+    /// Forget every remembered denial (the quotas changed).
+    pub(crate) fn clear(&self) {
+        for shard in self.shards.iter() {
+            shard.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+    }
+
     /// Forget everything remembered about `key` under every rule.
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn forget(&self, key: &Key) {

@@ -388,7 +388,8 @@ impl Inner {
     /// Give back what a slot's block still holds, leaving an empty block.
     async fn return_block(&self, index: usize, key: &Key, slot: &Slot) {
         let block = slot.block.swap(Arc::new(Block::empty()));
-        if let (Some(rule), Some(taken)) = (self.rules.get(index), block.drain()) {
+        let rules = self.rules.load_full();
+        if let (Some(rule), Some(taken)) = (rules.get(index), block.drain()) {
             self.return_permits(rule, key, taken).await;
         }
     }

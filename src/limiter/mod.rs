@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::store::{Check, Op, Refund, Store};
-use crate::{Clock, Decision, Key, Rule, StoreError, Taken};
+use crate::{Clock, ConfigError, Decision, Key, Quota, Rule, StoreError, Taken};
 
 mod breaker;
 mod builder;
@@ -127,7 +127,10 @@ struct Inner {
     /// This limiter, for the tasks that give leased permits back.
     me: std::sync::Weak<Inner>,
     store: Arc<dyn Store>,
-    rules: Box<[Rule]>,
+    /// The rules in force: names and order fixed, quotas replaceable while running.
+    rules: arc_swap::ArcSwap<Vec<Rule>>,
+    /// Serialises quota changes (readers never wait).
+    changing: parking_lot::Mutex<()>,
     /// `None` for a store that cannot fail.
     policy: Option<Policy>,
     deadline: Duration,
@@ -143,7 +146,7 @@ struct Inner {
 impl std::fmt::Debug for Limiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Limiter")
-            .field("rules", &self.inner.rules)
+            .field("rules", &self.inner.rules.load())
             .field("deadline", &self.inner.deadline)
             .finish_non_exhaustive()
     }
@@ -161,9 +164,87 @@ pub(crate) struct Target {
 type Targets = [Target];
 
 impl Limiter {
-    /// The limiter's rules.
-    pub fn rules(&self) -> &[Rule] {
-        &self.inner.rules
+    /// The limiter's rules, with the quotas in force now (see [`set_quota`](Limiter::set_quota)).
+    pub fn rules(&self) -> Arc<Vec<Rule>> {
+        self.inner.rules.load_full()
+    }
+
+    /// Replace one rule's quota while the limiter runs; see [`set_quotas`](Limiter::set_quotas).
+    pub fn set_quota(&self, rule: &str, quota: Quota) -> Result<(), ConfigError> {
+        self.set_quotas([(rule, quota)])
+    }
+
+    /// Replace several rules' quotas at once: every decision sees all the old quotas or all the
+    /// new ones. The rules' state carries over as it is, read under the new quota by the rule
+    /// every store applies to a quota change (see the README's "Refunds and quota changes"): a
+    /// window's count stays counted, a bucket keeps its debt. So instances of a fleet that
+    /// change a few seconds apart (a rolling deploy, a rules file reloaded) never admit more on
+    /// one key than the larger of the old and new limits in the changeover. This process forgets
+    /// its remembered denials at once; other instances within their
+    /// [`deny_cache_max_age`](crate::LimiterBuilder::deny_cache_max_age); a local fallback takes
+    /// its share of the new quotas.
+    ///
+    /// Rules keep their names, order and algorithm (a state's format is its algorithm's; change
+    /// it under a new rule name). Nothing changes unless every quota is accepted: an unknown
+    /// rule, another algorithm, or a quota a leased rule cannot lease is a [`ConfigError`].
+    ///
+    /// ```
+    /// # use fleetlimit::{Key, Limiter, MemoryStore, Quota, Rule};
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let limiter = Limiter::builder(MemoryStore::new())
+    ///     .rule(Rule::new("api", Quota::per_minute(1).build()?)?)
+    ///     .build()?;
+    /// let key = Key::new("tenant-1");
+    /// assert!(limiter.consume(&key, 1).await?.allowed);
+    /// assert!(!limiter.consume(&key, 1).await?.allowed);
+    /// limiter.set_quota("api", Quota::per_minute(2).build()?)?;
+    /// assert!(limiter.consume(&key, 1).await?.allowed, "the window's count carried over");
+    /// assert!(!limiter.consume(&key, 1).await?.allowed);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn set_quotas<'a>(
+        &self,
+        quotas: impl IntoIterator<Item = (&'a str, Quota)>,
+    ) -> Result<(), ConfigError> {
+        let inner = &self.inner;
+        let _one_change_at_a_time = inner.changing.lock();
+        let mut rules: Vec<Rule> = inner.rules.load().as_ref().clone();
+        for (name, quota) in quotas {
+            let invalid = |reason: String| ConfigError::Invalid {
+                setting: "set_quota",
+                reason,
+            };
+            let Some(i) = rules.iter().position(|r| r.name() == name) else {
+                return Err(invalid(format!(
+                    "the limiter has no rule named {name:?} (adding or removing rules takes a new limiter)"
+                )));
+            };
+            if quota.algorithm() != rules[i].quota().algorithm() {
+                return Err(invalid(format!(
+                    "rule {name:?} is {:?}, not {:?}: a new algorithm needs a new rule name",
+                    rules[i].quota().algorithm(),
+                    quota.algorithm()
+                )));
+            }
+            let rule = Rule::new(name, quota)?;
+            if let Some(config) = inner.leases.config(i) {
+                config.validate(&rule)?;
+            }
+            rules[i] = rule;
+        }
+        let local = match &inner.policy {
+            Some(policy) => policy.local_rules(&rules)?,
+            None => None,
+        };
+        if let (Some(policy), Some(local)) = (&inner.policy, local) {
+            policy.set_local_rules(local);
+        }
+        inner.rules.store(Arc::new(rules));
+        if let Some(denials) = &inner.denials {
+            denials.clear();
+        }
+        Ok(())
     }
 
     /// Take `cost` permits for `key` from every rule, or from none if any rule denies. Returns
@@ -278,7 +359,7 @@ impl Limiter {
     /// pauses before calling. Within the decision deadline per rule.
     pub async fn pause(&self, key: &Key, pause: Duration) -> Result<(), Error> {
         let deadline = self.inner.deadline;
-        for rule in self.inner.rules.iter() {
+        for rule in self.inner.rules.load_full().iter() {
             tokio::time::timeout(deadline, self.inner.store.pause(rule, key, pause))
                 .await
                 .map_err(|_| StoreError::Timeout(deadline))??;
@@ -291,7 +372,7 @@ impl Limiter {
     /// outage policy anyway).
     pub async fn paused_for(&self, key: &Key) -> Option<Duration> {
         let mut longest = None;
-        for rule in self.inner.rules.iter() {
+        for rule in self.inner.rules.load_full().iter() {
             let read =
                 tokio::time::timeout(self.inner.deadline, self.inner.store.paused_for(rule, key));
             if let Ok(Ok(Some(left))) = read.await {
@@ -335,7 +416,7 @@ impl Limiter {
         targets: &[(&str, &Key)],
         cost: u64,
     ) -> Result<Vec<Decision>, Error> {
-        let rules = &self.inner.rules;
+        let rules = self.inner.rules.load_full();
         let indexed = targets
             .iter()
             .map(|(name, key)| {
@@ -385,7 +466,7 @@ impl Limiter {
             return None;
         }
         let started = Instant::now();
-        let rules = &inner.rules;
+        let rules = inner.rules.load();
         let decisions: smallvec::SmallVec<[Decision; 2]> = match targets {
             [target] => {
                 let check = Check {
@@ -396,7 +477,7 @@ impl Limiter {
                 smallvec::smallvec![inner.store.check_in_process(Op::Consume, &check)?]
             }
             _ => {
-                let checks = self.checks(targets).ok()?;
+                let checks = checks(&rules, targets).ok()?;
                 inner.store.apply_in_process(Op::Consume, &checks)?.into()
             }
         };
@@ -419,7 +500,8 @@ impl Limiter {
                 .iter()
                 .any(|t| t.rule == target.rule && t.key == target.key)
             {
-                let name = self.inner.rules.get(target.rule).map_or("?", |r| r.name());
+                let rules = self.inner.rules.load();
+                let name = rules.get(target.rule).map_or("?", |r| r.name());
                 return Err(Error::DuplicateTarget(name.to_owned()));
             }
         }
@@ -427,32 +509,15 @@ impl Limiter {
             return Ok(Vec::new());
         }
         let started = Instant::now();
-        let checks = self.checks(targets)?;
+        let rules = self.inner.rules.load_full();
+        let checks = checks(&rules, targets)?;
         let decisions = self.inner.decide(op, &checks).await?;
         self.inner.trace(targets, &decisions, started);
         Ok(decisions)
     }
 
-    fn checks<'a>(&'a self, targets: &'a Targets) -> Result<Vec<Check<'a>>, Error> {
-        targets
-            .iter()
-            .map(|t| {
-                let rule = self
-                    .inner
-                    .rules
-                    .get(t.rule)
-                    .ok_or_else(|| Error::UnknownRule(format!("#{}", t.rule)))?;
-                Ok(Check {
-                    rule,
-                    key: &t.key,
-                    cost: t.cost,
-                })
-            })
-            .collect()
-    }
-
     fn every_rule(&self, key: &Key, cost: u64) -> smallvec::SmallVec<[Target; 2]> {
-        (0..self.inner.rules.len())
+        (0..self.inner.rules.load().len())
             .map(|rule| Target {
                 rule,
                 key: key.clone(),
@@ -478,7 +543,7 @@ impl Limiter {
     /// Give back receipts' parts (rule index, key, where taken), one store call per failure
     /// domain, within one deadline.
     pub(crate) async fn refund_parts(&self, parts: &[(usize, Key, Taken)]) -> Result<(), Error> {
-        let rules = &self.inner.rules;
+        let rules = self.inner.rules.load_full();
         let refunds = parts
             .iter()
             .map(|(i, key, taken)| {
@@ -506,6 +571,23 @@ impl Limiter {
     fn id(&self) -> u64 {
         self.inner.id
     }
+}
+
+/// `targets` as store checks on `rules` (the rules in force when the decision began).
+fn checks<'a>(rules: &'a [Rule], targets: &'a Targets) -> Result<Vec<Check<'a>>, Error> {
+    targets
+        .iter()
+        .map(|t| {
+            let rule = rules
+                .get(t.rule)
+                .ok_or_else(|| Error::UnknownRule(format!("#{}", t.rule)))?;
+            Ok(Check {
+                rule,
+                key: &t.key,
+                cost: t.cost,
+            })
+        })
+        .collect()
 }
 
 /// The decision that governs: a denial over an admission, then the longer wait.
@@ -538,9 +620,10 @@ impl Inner {
         Ok(self.decide_in_store(op, checks, deadline).await)
     }
 
-    /// The index of `rule` among the limiter's rules (checks borrow them).
+    /// The index of `rule` among the limiter's rules (checks borrow them); `None` when the
+    /// quotas changed since the check was made (it then goes to the store).
     fn rule_index(&self, rule: &Rule) -> Option<usize> {
-        self.rules.iter().position(|r| std::ptr::eq(r, rule))
+        self.rules.load().iter().position(|r| std::ptr::eq(r, rule))
     }
 
     /// A remembered denial of this single-rule consume at `now`, if there is one.
@@ -573,8 +656,9 @@ impl Inner {
             return;
         }
         let latency_us = started.elapsed().as_micros() as u64;
+        let rules = self.rules.load();
         for (t, d) in targets.iter().zip(decisions) {
-            let rule = self.rules.get(t.rule).map_or("?", |r| r.name());
+            let rule = rules.get(t.rule).map_or("?", |r| r.name());
             tracing::debug!(
                 rule,
                 key = %t.key,

@@ -55,8 +55,34 @@ pub(crate) enum Policy {
     },
     Local {
         store: MemoryStore,
-        rules: Box<[Rule]>,
+        /// Each rule's local quota, replaced when the limiter's quotas change.
+        rules: arc_swap::ArcSwap<Vec<Rule>>,
+        /// How a rule's quota becomes its local one.
+        local: LocalQuota,
     },
+}
+
+/// How a local fallback derives each rule's local quota.
+#[derive(Clone)]
+pub(crate) enum LocalQuota {
+    Fixed(Quota),
+    Share(u64),
+}
+
+impl LocalQuota {
+    fn of(&self, quota: &Quota) -> Result<Quota, ConfigError> {
+        match self {
+            LocalQuota::Fixed(q) => Ok(q.clone()),
+            LocalQuota::Share(servers) => share(quota, *servers),
+        }
+    }
+
+    fn rules(&self, rules: &[Rule]) -> Result<Vec<Rule>, ConfigError> {
+        rules
+            .iter()
+            .map(|r| Rule::new(r.name(), self.of(r.quota())?))
+            .collect()
+    }
 }
 
 impl Policy {
@@ -77,12 +103,27 @@ impl Policy {
                 }
                 Ok(Policy::Closed { retry_after })
             }
-            OnStoreError::Local(quota) => local(rules, clock, |_| Ok(quota.clone())),
+            OnStoreError::Local(quota) => local(rules, clock, LocalQuota::Fixed(quota)),
             OnStoreError::LocalShare(0) => Err(ConfigError::Invalid {
                 setting: "on_store_error",
                 reason: "LocalShare needs at least one server".into(),
             }),
-            OnStoreError::LocalShare(servers) => local(rules, clock, |q| share(q, servers)),
+            OnStoreError::LocalShare(servers) => local(rules, clock, LocalQuota::Share(servers)),
+        }
+    }
+
+    /// The local quotas for `rules` (their quotas changed), checked before anything changes.
+    pub(crate) fn local_rules(&self, rules: &[Rule]) -> Result<Option<Vec<Rule>>, ConfigError> {
+        match self {
+            Policy::Local { local, .. } => local.rules(rules).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Put in force local quotas made by [`local_rules`](Policy::local_rules).
+    pub(crate) fn set_local_rules(&self, local_rules: Vec<Rule>) {
+        if let Policy::Local { rules, .. } = self {
+            rules.store(Arc::new(local_rules));
         }
     }
 
@@ -107,7 +148,8 @@ impl Policy {
         match self {
             Policy::Open => synthetic(true, None),
             Policy::Closed { retry_after } => synthetic(false, Some(*retry_after)),
-            Policy::Local { store, rules } => {
+            Policy::Local { store, rules, .. } => {
+                let rules = rules.load();
                 let local: Vec<Check<'_>> = checks
                     .iter()
                     .map(|c| Check {
@@ -146,21 +188,15 @@ fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
     b.build()
 }
 
-fn local(
-    rules: &[Rule],
-    clock: &Arc<dyn Clock>,
-    quota_for: impl Fn(&Quota) -> Result<Quota, ConfigError>,
-) -> Result<Policy, ConfigError> {
-    let rules = rules
-        .iter()
-        .map(|r| Rule::new(r.name(), quota_for(r.quota())?))
-        .collect::<Result<Vec<_>, _>>()?;
+fn local(rules: &[Rule], clock: &Arc<dyn Clock>, local: LocalQuota) -> Result<Policy, ConfigError> {
+    let rules = local.rules(rules)?;
     let store = MemoryStore::builder()
         .clock(SharedClock(clock.clone()))
         .build()?;
     Ok(Policy::Local {
         store,
-        rules: rules.into_boxed_slice(),
+        rules: arc_swap::ArcSwap::from_pointee(rules),
+        local,
     })
 }
 
@@ -269,6 +305,7 @@ mod tests {
         else {
             panic!("a local policy");
         };
+        let local = local.load();
         assert_eq!(local[0].quota().limit(), 25);
         assert_eq!((local[1].quota().limit(), local[1].quota().burst()), (2, 7));
         let tiny = Policy::resolve(OnStoreError::LocalShare(1_000), &rules, &clock()).unwrap();
