@@ -10,6 +10,7 @@
 //!     [--max-keys N] [--refund-status LIST]
 //!     [--trusted-proxies CIDR[,CIDR...] | --trusted-hops N]
 //!     [--redis-ca FILE]                         (with --store rediss://HOST:PORT)
+//!     [--rules FILE]                            (in place of --algorithm/--limit/--period/--burst)
 //! ```
 //!
 //! `--store` also takes `rediss://HOST:PORT` (TLS; `--redis-ca` names the CA to trust) and
@@ -25,15 +26,21 @@
 //! the permits of requests answered with one of those statuses back (through their receipts).
 //! `--max-keys N` bounds the memory store. `--trusted-proxies` (address ranges) or
 //! `--trusted-hops` (a count of proxies in front) makes requests without an API key count
-//! against the client address the proxies report, not the proxy's. `--help` prints the usage;
+//! against the client address the proxies report, not the proxy's. `--rules FILE` takes the
+//! rules from a TOML file (`[[rule]]` tables with `name`, `algorithm`, `limit`, `period`, optional
+//! `burst`; every rule keyed like the single one) and reloads it when it changes, within 250 ms,
+//! logging what changed; a file that cannot be used keeps the running rules and logs why.
+//! `--help` prints the usage;
 //! an invalid command line exits 2 with a message on stderr, a failure to start exits 1.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::ops::RangeInclusive;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use axum::extract::{Path, Query};
 use axum::http::StatusCode;
 use axum::{routing::get, Router};
@@ -51,12 +58,12 @@ redis-sentinel://HOST:PORT,.../MASTER] \
 [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local] \
 [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK] \
 [--max-keys N] [--refund-status LIST (e.g. 500-599,429)] \
-[--trusted-proxies CIDR[,CIDR...] | --trusted-hops N] [--redis-ca FILE]";
+[--trusted-proxies CIDR[,CIDR...] | --trusted-hops N] [--redis-ca FILE] [--rules FILE]";
 
 /// The longest `?sleep_ms=` the demo honours.
 const MAX_SLEEP_MS: u64 = 600_000;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Options {
     port: u16,
     store: String,
@@ -71,6 +78,8 @@ struct Options {
     refund_status: Vec<RangeInclusive<u16>>,
     trusted: Option<TrustedProxies>,
     redis_ca: Option<String>,
+    /// `--rules FILE`: the rules, reloaded when the file changes.
+    rules_file: Option<std::path::PathBuf>,
 }
 
 /// What the command line asked for: run, or print the usage.
@@ -167,6 +176,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
         refund_status: Vec::new(),
         trusted: None,
         redis_ca: None,
+        rules_file: None,
     };
     let mut seen = HashSet::new();
     let mut args = args.peekable();
@@ -234,6 +244,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
             "--max-keys" => o.max_keys = Some(parse_number("--max-keys", &value()?)?),
             "--refund-status" => o.refund_status = parse_statuses(&value()?)?,
             "--redis-ca" => o.redis_ca = Some(value()?),
+            "--rules" => o.rules_file = Some(value()?.into()),
             "--trusted-proxies" | "--trusted-hops" if o.trusted.is_some() => {
                 return Err("--trusted-proxies and --trusted-hops exclude each other".into())
             }
@@ -270,6 +281,14 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
             return Err(format!("--redis-ca {path:?} holds no PEM certificate"));
         }
     }
+    if o.rules_file.is_some() {
+        let single = ["--algorithm", "--limit", "--period", "--burst", "--lease"];
+        if let Some(flag) = single.iter().find(|f| seen.contains(**f)) {
+            return Err(format!(
+                "{flag} sets the single rule of the command line; with --rules the file sets every rule"
+            ));
+        }
+    }
     if store != StoreKind::Memory && o.max_keys.is_some() {
         return Err("--max-keys bounds the memory store; it does not apply to Redis".into());
     }
@@ -280,12 +299,22 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
 /// Everything the library would reject when the server starts, checked before: a bad quota,
 /// a lease on an algorithm that cannot be leased, a key bound the store refuses.
 fn validate(o: &Options) -> Result<(), String> {
-    let rule = build_rule(o)?;
-    let store = memory_store(o)?;
-    with_lease(Limiter::builder(store).rule(rule), o.lease)
-        .build()
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    let rules = load_rules(o)?;
+    let store = DemoStore::Memory(memory_store(o)?);
+    build_limiter(&store, &rules, o).map(|_| ())
+}
+
+/// The rules: from `--rules FILE`, or the single rule of the command line.
+fn load_rules(o: &Options) -> Result<Vec<Rule>, String> {
+    match &o.rules_file {
+        Some(path) => read_rules(path).map_err(|e| format!("--rules {}: {e}", path.display())),
+        None => Ok(vec![build_rule(o)?]),
+    }
+}
+
+fn read_rules(path: &std::path::Path) -> Result<Vec<Rule>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    fleetlimit::config::rules_from_toml(&text).map_err(|e| e.to_string())
 }
 
 fn memory_store(o: &Options) -> Result<MemoryStore, String> {
@@ -378,53 +407,70 @@ fn redis_builder(o: &Options) -> Result<fleetlimit::store::RedisStoreBuilder, St
     Ok(builder)
 }
 
-async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
-    let rule = build_rule(o)?;
-    let policy = match o.on_store_error.as_deref() {
-        Some("closed") => OnStoreError::fail_closed(),
-        // One demo process: the local fallback keeps the same quota.
-        Some("local") => OnStoreError::Local(rule.quota().clone()),
-        _ => OnStoreError::FailOpen,
-    };
-    let limiter = match StoreKind::parse(&o.store)? {
-        StoreKind::Memory => {
-            with_lease(Limiter::builder(memory_store(o)?).rule(rule), o.lease).build()
-        }
-        StoreKind::Redis(url) => with_lease(
-            Limiter::builder(redis_builder(o)?.connect(&url).await.map_err(|e| {
+/// Where the counters live; kept across rule reloads, so a reloaded rule keeps its state.
+#[derive(Clone)]
+enum DemoStore {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+}
+
+async fn open_store(o: &Options) -> Result<DemoStore, String> {
+    Ok(match StoreKind::parse(&o.store)? {
+        StoreKind::Memory => DemoStore::Memory(memory_store(o)?),
+        StoreKind::Redis(url) => {
+            DemoStore::Redis(redis_builder(o)?.connect(&url).await.map_err(|e| {
                 // redis-rs errors may quote the URL: never print the password.
                 let message = e.to_string().replace(&url, &redact(&url));
                 format!("cannot connect to {}: {message}", redact(&url))
             })?)
-            .rule(rule)
-            .on_store_error(policy),
-            o.lease,
-        )
-        .build(),
-        StoreKind::Cluster(urls) => with_lease(
-            Limiter::builder(redis_builder(o)?.cluster(&urls).await.map_err(|e| {
+        }
+        StoreKind::Cluster(urls) => {
+            DemoStore::Redis(redis_builder(o)?.cluster(&urls).await.map_err(|e| {
                 let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
                 format!("cannot connect to the cluster {shown:?}: {e}")
             })?)
-            .rule(rule)
-            .on_store_error(policy),
-            o.lease,
-        )
-        .build(),
-        StoreKind::Sentinel(urls, master) => with_lease(
-            Limiter::builder(
-                redis_builder(o)?
-                    .sentinel(&urls, &master)
-                    .await
-                    .map_err(|e| format!("cannot use the Sentinels for {master:?}: {e}"))?,
-            )
-            .rule(rule)
-            .on_store_error(policy),
-            o.lease,
-        )
-        .build(),
+        }
+        StoreKind::Sentinel(urls, master) => DemoStore::Redis(
+            redis_builder(o)?
+                .sentinel(&urls, &master)
+                .await
+                .map_err(|e| format!("cannot use the Sentinels for {master:?}: {e}"))?,
+        ),
+    })
+}
+
+fn build_limiter(store: &DemoStore, rules: &[Rule], o: &Options) -> Result<Limiter, String> {
+    let policy = match o.on_store_error.as_deref() {
+        Some("closed") => OnStoreError::fail_closed(),
+        // One demo process: the local fallback keeps each rule's quota.
+        Some("local") => OnStoreError::LocalShare(1),
+        _ => OnStoreError::FailOpen,
+    };
+    match store {
+        DemoStore::Memory(s) => {
+            let b = rules
+                .iter()
+                .cloned()
+                .fold(Limiter::builder(s.clone()), |b, r| b.rule(r));
+            with_lease(b, o.lease).build()
+        }
+        DemoStore::Redis(s) => {
+            let b = rules
+                .iter()
+                .cloned()
+                .fold(Limiter::builder(s.clone()), |b, r| b.rule(r));
+            with_lease(b.on_store_error(policy), o.lease).build()
+        }
     }
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string())
+}
+
+fn build_layer(limiter: Limiter, o: &Options) -> Result<RateLimitLayer, String> {
+    let names: Vec<String> = limiter
+        .rules()
+        .iter()
+        .map(|r| r.name().to_owned())
+        .collect();
     let mut builder = RateLimitLayer::builder(limiter)
         .key(key::header("x-api-key"))
         .headers(o.headers);
@@ -432,11 +478,13 @@ async fn build_layer(o: &Options) -> Result<RateLimitLayer, String> {
         builder = builder.peer_ip(PeerIp::default().trust(trusted.clone()));
     }
     if !o.refund_status.is_empty() {
-        let statuses = o.refund_status.clone();
-        builder = builder.scope(
-            "demo",
-            Scope::new().refund_if(move |s| statuses.iter().any(|r| r.contains(&s.as_u16()))),
-        );
+        for name in &names {
+            let statuses = o.refund_status.clone();
+            builder = builder.scope(
+                name,
+                Scope::new().refund_if(move |s| statuses.iter().any(|r| r.contains(&s.as_u16()))),
+            );
+        }
     }
     builder.build().map_err(|e| e.to_string())
 }
@@ -514,14 +562,34 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        let layer = match build_layer(&options).await {
-            Ok(l) => l,
+        let started = async {
+            let store = open_store(&options).await?;
+            let rules = load_rules(&options)?;
+            let limiter = build_limiter(&store, &rules, &options)?;
+            let layer = build_layer(limiter.clone(), &options)?;
+            Ok::<_, String>((store, rules, limiter, layer))
+        };
+        let (store, rules, limiter, layer) = match started.await {
+            Ok(started) => started,
             Err(e) => {
                 eprintln!("error: {e}");
                 return ExitCode::FAILURE;
             }
         };
-        match serve(options.port, layer).await {
+        let app = match &options.rules_file {
+            Some(path) => {
+                let active = Arc::new(ArcSwap::from_pointee(Active { limiter, layer }));
+                let reloader = Reloader {
+                    store,
+                    options: options.clone(),
+                    active: active.clone(),
+                };
+                tokio::spawn(reloader.watch(path.clone(), rules));
+                routes().layer(Current(active))
+            }
+            None => routes().layer(layer),
+        };
+        match serve(options.port, app).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -548,7 +616,7 @@ async fn answer(status: StatusCode, slow: Slow) -> (StatusCode, &'static str) {
     }
 }
 
-fn app(layer: RateLimitLayer) -> Router {
+fn routes() -> Router {
     Router::new()
         .route(
             "/",
@@ -568,11 +636,9 @@ fn app(layer: RateLimitLayer) -> Router {
                 },
             ),
         )
-        .layer(layer)
 }
 
-async fn serve(port: u16, layer: RateLimitLayer) -> std::io::Result<()> {
-    let app = app(layer);
+async fn serve(port: u16, app: Router) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on http://{}", listener.local_addr()?);
     axum::serve(
@@ -583,6 +649,170 @@ async fn serve(port: u16, layer: RateLimitLayer) -> std::io::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
     })
     .await
+}
+
+/// The limiter and layer in force, replaced as a whole when `--rules` changes the rule names.
+struct Active {
+    limiter: Limiter,
+    layer: RateLimitLayer,
+}
+
+/// A layer that applies whichever rate-limit layer is active at each request.
+#[derive(Clone)]
+struct Current(Arc<ArcSwap<Active>>);
+
+impl<S> tower::Layer<S> for Current {
+    type Service = CurrentService<S>;
+
+    fn layer(&self, inner: S) -> CurrentService<S> {
+        CurrentService {
+            inner,
+            active: self.0.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct CurrentService<S> {
+    inner: S,
+    active: Arc<ArcSwap<Active>>,
+}
+
+impl<S, B, R> tower::Service<axum::http::Request<B>> for CurrentService<S>
+where
+    S: tower::Service<axum::http::Request<B>, Response = axum::http::Response<R>> + Clone,
+{
+    type Response = axum::http::Response<fleetlimit::layer::ResponseBody<R>>;
+    type Error = S::Error;
+    type Future = fleetlimit::layer::ResponseFuture<S, B>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: axum::http::Request<B>) -> Self::Future {
+        let fresh = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, fresh);
+        let mut service = tower::Layer::layer(&self.active.load().layer, ready);
+        service.call(req)
+    }
+}
+
+/// Watches the rules file and puts its rules in force.
+struct Reloader {
+    store: DemoStore,
+    options: Box<Options>,
+    active: Arc<ArcSwap<Active>>,
+}
+
+/// How often the rules file is read (a change is in force within this, plus a decision).
+const RULES_POLL: Duration = Duration::from_millis(250);
+
+fn describe(q: &Quota) -> String {
+    let mut s = format!(
+        "{} {} per {}",
+        q.algorithm(),
+        q.limit(),
+        fleetlimit::config::format_period(q.period())
+    );
+    if matches!(q.algorithm(), Algorithm::TokenBucket | Algorithm::Gcra) {
+        s.push_str(&format!(", burst {}", q.burst()));
+    }
+    s
+}
+
+impl Reloader {
+    async fn watch(self, path: std::path::PathBuf, mut running: Vec<Rule>) {
+        let mut last = std::fs::read_to_string(&path).ok();
+        loop {
+            tokio::time::sleep(RULES_POLL).await;
+            let text = match tokio::fs::read_to_string(&path).await {
+                Ok(text) => text,
+                Err(e) => {
+                    if last.take().is_some() {
+                        tracing::warn!(path = %path.display(), error = %e, "rules file unreadable; keeping the running rules");
+                    }
+                    continue;
+                }
+            };
+            if last.as_deref() == Some(text.as_str()) {
+                continue;
+            }
+            last = Some(text.clone());
+            match fleetlimit::config::rules_from_toml(&text) {
+                Err(e) => tracing::warn!(
+                    path = %path.display(),
+                    error = %e,
+                    "rules file invalid; keeping the running rules"
+                ),
+                Ok(rules) => match self.put_in_force(&running, &rules) {
+                    Ok(()) => running = rules,
+                    Err(e) => tracing::warn!(
+                        path = %path.display(),
+                        error = %e,
+                        "rules file rejected; keeping the running rules"
+                    ),
+                },
+            }
+        }
+    }
+
+    /// Put `rules` in force: new quotas on the running limiter when only quotas changed, else
+    /// a new limiter on the same store (so every rule keeps its state in the store).
+    fn put_in_force(&self, running: &[Rule], rules: &[Rule]) -> Result<(), String> {
+        let same_shape = running.len() == rules.len()
+            && running.iter().zip(rules).all(|(a, b)| {
+                a.name() == b.name() && a.quota().algorithm() == b.quota().algorithm()
+            });
+        let changed: Vec<(&Rule, &Rule)> = running
+            .iter()
+            .filter_map(|old| {
+                let new = rules.iter().find(|r| r.name() == old.name())?;
+                (new.quota() != old.quota()).then_some((old, new))
+            })
+            .collect();
+        if same_shape {
+            let quotas = changed
+                .iter()
+                .map(|(_, new)| (new.name(), new.quota().clone()));
+            self.active
+                .load()
+                .limiter
+                .set_quotas(quotas)
+                .map_err(|e| e.to_string())?;
+        } else {
+            let limiter = build_limiter(&self.store, rules, &self.options)?;
+            let layer = build_layer(limiter.clone(), &self.options)?;
+            self.active.store(Arc::new(Active { limiter, layer }));
+        }
+        for (old, new) in &changed {
+            tracing::info!(
+                rule = new.name(),
+                from = %describe(old.quota()),
+                to = %describe(new.quota()),
+                "rules file: quota changed"
+            );
+        }
+        for new in rules
+            .iter()
+            .filter(|r| running.iter().all(|o| o.name() != r.name()))
+        {
+            tracing::info!(rule = new.name(), quota = %describe(new.quota()), "rules file: rule added");
+        }
+        for old in running
+            .iter()
+            .filter(|o| rules.iter().all(|r| r.name() != o.name()))
+        {
+            tracing::info!(rule = old.name(), "rules file: rule removed");
+        }
+        if changed.is_empty() && same_shape {
+            tracing::info!("rules file rewritten; no rule changed");
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -44,6 +44,8 @@
 
 mod algorithm;
 mod clock;
+#[cfg(feature = "serde")]
+pub mod config;
 mod decision;
 mod error;
 pub mod key;

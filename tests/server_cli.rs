@@ -166,6 +166,7 @@ fn help_prints_the_usage_on_stdout_and_exits_0() {
             "--trusted-proxies",
             "--trusted-hops",
             "--redis-ca",
+            "--rules",
             "rediss://",
             "redis-sentinel://",
         ] {
@@ -415,4 +416,124 @@ fn starts_while_redis_is_down_and_enforces_once_it_is_up() {
     }
     assert_eq!(status(&get(demo.1, Some("k"))), 200);
     assert_eq!(status(&get(demo.1, Some("k"))), 429, "enforced on Redis");
+}
+
+/// A rules file in a directory of its own, removed when dropped.
+struct RulesFile(PathBuf);
+
+impl RulesFile {
+    fn new(name: &str, text: &str) -> RulesFile {
+        let dir = std::env::temp_dir().join(format!("fleetlimit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = RulesFile(dir.join("rules.toml"));
+        file.write(text);
+        file
+    }
+
+    /// Replace the file's contents at once (write beside it, then rename), as editors and
+    /// deploy tools do.
+    fn write(&self, text: &str) {
+        let tmp = self.0.with_extension("tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &self.0).unwrap();
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for RulesFile {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn rule_text(limit: u64) -> String {
+    format!("[[rule]]\nname = \"api\"\nalgorithm = \"fixed-window\"\nlimit = {limit}\nperiod = \"1h\"\n")
+}
+
+/// The server's stderr, collected as it is written.
+fn collect_stderr(server: &mut Server) -> std::sync::Arc<std::sync::Mutex<String>> {
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let stderr = server.0.stderr.take().unwrap();
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push_str(&(line + "\n"));
+        }
+    });
+    log
+}
+
+#[test]
+fn the_rules_file_is_reloaded_when_it_changes_and_an_invalid_one_is_ignored() {
+    let rules = RulesFile::new("reload", &rule_text(2));
+    let mut server = start(&["--port", "0", "--rules", rules.path()]);
+    let log = collect_stderr(&mut server);
+    let port = server.1;
+    assert_eq!(status(&get(port, Some("a"))), 200);
+    assert_eq!(status(&get(port, Some("a"))), 200);
+    assert_eq!(status(&get(port, Some("a"))), 429);
+    // Raised to 5: in force within 2 s, the 2 already counted still counted.
+    rules.write(&rule_text(5));
+    let changed = std::time::Instant::now();
+    while status(&get(port, Some("a"))) == 429 {
+        assert!(
+            changed.elapsed() < Duration::from_secs(2),
+            "the new limit is not in force after 2 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The request that saw the change was the 3rd; 2 more, then 5 in all.
+    assert_eq!(status(&get(port, Some("a"))), 200);
+    assert_eq!(status(&get(port, Some("a"))), 200);
+    assert_eq!(status(&get(port, Some("a"))), 429, "5 in all");
+    // An invalid rewrite keeps the running rules, and says why.
+    rules.write("[[rule]]\nname = \"api\"\nlimit = 0\nperiod = \"1h\"\n");
+    let written = std::time::Instant::now();
+    while !log.lock().unwrap().contains("rules file invalid") {
+        assert!(
+            written.elapsed() < Duration::from_secs(2),
+            "no log line about the invalid file: {}",
+            log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        log.lock().unwrap().contains("at least 1"),
+        "{}",
+        log.lock().unwrap()
+    );
+    for _ in 0..5 {
+        assert_eq!(status(&get(port, Some("b"))), 200, "still 5");
+    }
+    assert_eq!(status(&get(port, Some("b"))), 429);
+    assert!(
+        log.lock().unwrap().contains("quota changed"),
+        "the change was logged: {}",
+        log.lock().unwrap()
+    );
+}
+
+#[test]
+fn a_rules_file_that_cannot_be_used_is_a_command_line_error() {
+    let bad = RulesFile::new(
+        "bad",
+        "[[rule]]\nname = \"api\"\nlimit = 1\nperiod = \"soon\"\n",
+    );
+    let good = RulesFile::new("good", &rule_text(1));
+    for args in [
+        &["--rules", bad.path()][..],
+        &["--rules", "/nonexistent/rules.toml"],
+        &["--rules", good.path(), "--limit", "5"],
+        &["--rules", good.path(), "--algorithm", "gcra"],
+    ] {
+        let out = Command::new(server_binary()).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+    }
 }

@@ -1,0 +1,344 @@
+//! Quotas and rules as configuration (feature `serde`), and rules files in TOML (feature
+//! `toml`, on by default).
+//!
+//! A rule is written as its name and its quota's fields; periods as `500ms`, `60s`, `1m`, `1h`
+//! or `1d`:
+//!
+//! ```toml
+//! [[rule]]
+//! name = "api"
+//! algorithm = "sliding-window"   # optional; the default
+//! limit = 100
+//! period = "60s"
+//!
+//! [[rule]]
+//! name = "burst"
+//! algorithm = "token-bucket"
+//! limit = 10
+//! period = "1s"
+//! burst = 50
+//! ```
+//!
+//! Every value is validated as [`Quota`]'s builder validates it: a file that deserialises is a
+//! file whose rules can be used.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Algorithm, ConfigError, Quota, Rule, WindowEstimate};
+
+/// Parse a period: a whole number followed by `ms`, `s`, `m`, `h` or `d` (`500ms`, `60s`).
+pub fn parse_period(text: &str) -> Result<Duration, ConfigError> {
+    let invalid = || ConfigError::Invalid {
+        setting: "period",
+        reason: format!("{text:?}: expected a whole number and a unit (500ms, 60s, 1m, 1h, 1d)"),
+    };
+    let digits = text.bytes().take_while(u8::is_ascii_digit).count();
+    let (number, unit) = text.split_at(digits);
+    let n: u64 = number.parse().map_err(|_| invalid())?;
+    let unit_ms: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(invalid()),
+    };
+    n.checked_mul(unit_ms)
+        .map(Duration::from_millis)
+        .ok_or_else(invalid)
+}
+
+/// A period as [`parse_period`] reads it, in the largest unit that writes it exactly.
+pub fn format_period(period: Duration) -> String {
+    let ms = period.as_millis();
+    for (unit, size) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms >= size && ms % size == 0 {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+/// A quota's fields as written in configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuotaFields {
+    #[serde(default, with = "algorithm_name")]
+    algorithm: Algorithm,
+    limit: u64,
+    period: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    burst: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sub_windows: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    estimate: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_log_len: Option<u64>,
+}
+
+impl TryFrom<QuotaFields> for Quota {
+    type Error = ConfigError;
+
+    fn try_from(f: QuotaFields) -> Result<Quota, ConfigError> {
+        let mut b = Quota::new(f.limit, parse_period(&f.period)?).algorithm(f.algorithm);
+        if let Some(burst) = f.burst {
+            b = b.burst(burst);
+        }
+        if let Some(n) = f.sub_windows {
+            b = b.sub_windows(n);
+        }
+        if let Some(cap) = f.max_log_len {
+            b = b.max_log_len(cap);
+        }
+        match f.estimate.as_deref() {
+            None => {}
+            Some("weighted") => b = b.estimate(WindowEstimate::Weighted),
+            Some("bounded") => b = b.estimate(WindowEstimate::Bounded),
+            Some(other) => {
+                return Err(ConfigError::Invalid {
+                    setting: "estimate",
+                    reason: format!("{other:?}: expected weighted or bounded"),
+                })
+            }
+        }
+        b.build()
+    }
+}
+
+impl From<&Quota> for QuotaFields {
+    fn from(q: &Quota) -> QuotaFields {
+        let sliding = q.algorithm() == Algorithm::SlidingWindow;
+        QuotaFields {
+            algorithm: q.algorithm(),
+            limit: q.limit(),
+            period: format_period(q.period()),
+            burst: matches!(q.algorithm(), Algorithm::TokenBucket | Algorithm::Gcra)
+                .then_some(q.burst()),
+            sub_windows: sliding.then_some(q.sub_windows()),
+            estimate: (sliding && q.estimate() == WindowEstimate::Bounded)
+                .then(|| "bounded".to_owned()),
+            max_log_len: (q.algorithm() == Algorithm::SlidingLog).then_some(q.limit()),
+        }
+    }
+}
+
+impl Serialize for Quota {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        QuotaFields::from(self).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Quota {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Quota, D::Error> {
+        Quota::try_from(QuotaFields::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A rule as written in configuration: its name and its quota's fields, side by side.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFields {
+    name: String,
+    #[serde(default, with = "algorithm_name")]
+    algorithm: Algorithm,
+    limit: u64,
+    period: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    burst: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sub_windows: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    estimate: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_log_len: Option<u64>,
+}
+
+impl Serialize for Rule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let q = QuotaFields::from(self.quota());
+        RuleFields {
+            name: self.name().to_owned(),
+            algorithm: q.algorithm,
+            limit: q.limit,
+            period: q.period,
+            burst: q.burst,
+            sub_windows: q.sub_windows,
+            estimate: q.estimate,
+            max_log_len: q.max_log_len,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Rule {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Rule, D::Error> {
+        let f = RuleFields::deserialize(d)?;
+        let quota = Quota::try_from(QuotaFields {
+            algorithm: f.algorithm,
+            limit: f.limit,
+            period: f.period,
+            burst: f.burst,
+            sub_windows: f.sub_windows,
+            estimate: f.estimate,
+            max_log_len: f.max_log_len,
+        })
+        .map_err(|e| serde::de::Error::custom(format!("rule {:?}: {e}", f.name)))?;
+        Rule::new(f.name, quota).map_err(serde::de::Error::custom)
+    }
+}
+
+mod algorithm_name {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use crate::Algorithm;
+
+    pub(super) fn serialize<S: Serializer>(a: &Algorithm, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(a.name())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Algorithm, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The rules of a rules file: `[[rule]]` tables (see the [module](self)), at least one, names
+/// unique. Errors name the line and the field.
+#[cfg(feature = "toml")]
+pub fn rules_from_toml(text: &str) -> Result<Vec<Rule>, ConfigError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct File {
+        #[serde(default)]
+        rule: Vec<Rule>,
+    }
+    let file: File = toml::from_str(text).map_err(|e| {
+        // One line, for logs: where, then what.
+        let line = e.span().map_or(0, |s| {
+            text[..s.start.min(text.len())].matches('\n').count() + 1
+        });
+        ConfigError::Invalid {
+            setting: "rules file",
+            reason: format!("line {line}: {}", e.message().trim_end()),
+        }
+    })?;
+    if file.rule.is_empty() {
+        return Err(ConfigError::NoRules);
+    }
+    for (i, rule) in file.rule.iter().enumerate() {
+        if file.rule[..i].iter().any(|r| r.name() == rule.name()) {
+            return Err(ConfigError::Invalid {
+                setting: "rules file",
+                reason: format!("two rules are named {:?}", rule.name()),
+            });
+        }
+    }
+    Ok(file.rule)
+}
+
+/// Rules as a rules file (TOML): what [`rules_from_toml`] reads back.
+#[cfg(feature = "toml")]
+pub fn rules_to_toml(rules: &[Rule]) -> Result<String, ConfigError> {
+    #[derive(Serialize)]
+    struct File<'a> {
+        rule: &'a [Rule],
+    }
+    toml::to_string(&File { rule: rules }).map_err(|e| ConfigError::Invalid {
+        setting: "rules file",
+        reason: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn periods_read_and_write_back() {
+        for (text, ms) in [
+            ("500ms", 500),
+            ("60s", 60_000),
+            ("1m", 60_000),
+            ("2h", 7_200_000),
+            ("1d", 86_400_000),
+        ] {
+            assert_eq!(
+                parse_period(text).unwrap(),
+                Duration::from_millis(ms),
+                "{text}"
+            );
+        }
+        assert_eq!(format_period(Duration::from_secs(60)), "1m");
+        assert_eq!(format_period(Duration::from_millis(1500)), "1500ms");
+        for bad in [
+            "",
+            "60",
+            "s",
+            "1.5s",
+            "-1s",
+            "60 s",
+            "1w",
+            "99999999999999999999d",
+        ] {
+            assert!(parse_period(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[cfg(feature = "toml")]
+    #[test]
+    fn rules_files_round_trip_and_say_what_is_wrong() {
+        let text = r#"
+            [[rule]]
+            name = "api"
+            limit = 100
+            period = "60s"
+
+            [[rule]]
+            name = "bucket"
+            algorithm = "token-bucket"
+            limit = 10
+            period = "1s"
+            burst = 50
+
+            [[rule]]
+            name = "exact"
+            algorithm = "sliding-window"
+            limit = 5
+            period = "1m"
+            sub_windows = 60
+            estimate = "bounded"
+        "#;
+        let rules = rules_from_toml(text).unwrap();
+        assert_eq!(rules.len(), 3);
+        assert_eq!(rules[0].quota(), &Quota::per_minute(100).build().unwrap());
+        assert_eq!(rules[1].quota().burst(), 50);
+        assert_eq!(rules[2].quota().estimate(), WindowEstimate::Bounded);
+        let again = rules_from_toml(&rules_to_toml(&rules).unwrap()).unwrap();
+        assert_eq!(again, rules);
+        for (bad, says) in [
+            ("", "at least one rule"),
+            ("[[rule]]\nname = \"a\"\nlimit = 0\nperiod = \"1s\"", "at least 1"),
+            ("[[rule]]\nname = \"a\"\nlimit = 1\nperiod = \"soon\"", "soon"),
+            ("[[rule]]\nname = \"a\"\nlimit = 1\nperiod = \"1s\"\nburst = 3", "burst"),
+            ("[[rule]]\nname = \"a\"\nlimit = 1\nperiod = \"1s\"\nlimt = 3", "limt"),
+            ("[[rule]]\nname = \"a b\"\nlimit = 1\nperiod = \"1s\"", "a b"),
+            ("[[rule]]\nname = \"a\"\nalgorithm = \"leaky\"\nlimit = 1\nperiod = \"1s\"", "leaky"),
+            (
+                "[[rule]]\nname = \"a\"\nlimit = 1\nperiod = \"1s\"\n[[rule]]\nname = \"a\"\nlimit = 2\nperiod = \"1s\"",
+                "two rules",
+            ),
+            ("[[rule]\n", "rules file"),
+        ] {
+            let err = rules_from_toml(bad).unwrap_err().to_string();
+            assert!(err.contains(says), "{bad:?}: {err}");
+        }
+    }
+}
