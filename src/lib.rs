@@ -69,8 +69,8 @@ pub use layer::{
 };
 pub(crate) use limiter::Target;
 pub use limiter::{
-    BreakerConfig, InfallibleStore, LeaseConfig, Limiter, LimiterBuilder, LimiterStats,
-    OnStoreError, PolicyUnset, Receipt, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_MAX_AGE,
+    BreakerConfig, InfallibleStore, KeyState, LeaseConfig, Limiter, LimiterBuilder, LimiterStats,
+    OnStoreError, PolicyUnset, Receipt, RuleState, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_MAX_AGE,
 };
 pub use quota::{
     Algorithm, Quota, QuotaBuilder, WindowEstimate, DEFAULT_MAX_LOG_LEN, DEFAULT_SUB_WINDOWS,

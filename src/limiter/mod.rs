@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
-use crate::store::{Check, Op, Refund, Store};
+use crate::store::{Check, Listing, Op, Refund, Store};
 use crate::{Clock, ConfigError, Decision, Key, Quota, Rule, StoreError, Taken};
 
 mod breaker;
@@ -74,6 +74,27 @@ pub struct LimiterStats {
     pub lease_calls: u64,
     /// Keys in leased mode right now.
     pub leased_keys: u64,
+}
+
+/// What [`Limiter::inspect`] reads of a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyState {
+    /// Its allow, deny or block entry, if one is in force.
+    pub listing: Option<Listing>,
+    /// Every rule's state for it, in the limiter's order.
+    pub rules: Vec<RuleState>,
+}
+
+/// One rule's state for a key, as [`Limiter::inspect`] reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RuleState {
+    /// The rule's name.
+    pub rule: String,
+    /// The decision a request of cost 1 would get now (taking nothing): `limit`,
+    /// `remaining`, `reset_after`, and for a refused key `retry_after`.
+    pub decision: Decision,
 }
 
 /// Decides requests against one or more [`Rule`]s through a [`Store`]. Cheap to clone: clones
@@ -432,6 +453,99 @@ impl Limiter {
             })
             .collect::<Result<Vec<_>, Error>>()?;
         self.apply_indexed(op, &indexed).await
+    }
+
+    /// What every rule holds for `key` and whether it is listed, consuming nothing: the
+    /// decision a request of cost 1 would get from each rule now (a blocked or denied key reads
+    /// as refused, with the wait). An error when the store cannot answer (never the outage
+    /// policy's guess).
+    pub async fn inspect(&self, key: &Key) -> Result<KeyState, Error> {
+        let deadline = Deadline::after(self.inner.deadline);
+        let listing = deadline.run(self.inner.store.listing(key)).await??;
+        let targets = self.every_rule(key, 1);
+        let rules = self.inner.rules.load_full();
+        let checks = checks(&rules, &targets)?;
+        let decisions = deadline
+            .run(self.inner.store.apply(Op::Peek, &checks))
+            .await??;
+        Ok(KeyState {
+            listing,
+            rules: rules
+                .iter()
+                .zip(decisions)
+                .map(|(rule, decision)| RuleState {
+                    rule: rule.name().to_owned(),
+                    decision,
+                })
+                .collect(),
+        })
+    }
+
+    /// Forget `key`'s state under every rule, for the whole fleet: it starts afresh (its
+    /// listing, if any, stays). This process forgets its remembered denials of the key at
+    /// once, the others within their denial cache's bound; a block leased before the reset is
+    /// spent until it expires (250 ms by default).
+    pub async fn reset(&self, key: &Key) -> Result<(), Error> {
+        for rule in self.inner.rules.load_full().iter() {
+            self.reset_one(rule, key).await?;
+        }
+        Ok(())
+    }
+
+    /// [`reset`](Limiter::reset) for one rule.
+    pub async fn reset_rule(&self, key: &Key, rule: &str) -> Result<(), Error> {
+        let rules = self.inner.rules.load_full();
+        let rule = rules
+            .iter()
+            .find(|r| r.name() == rule)
+            .ok_or_else(|| Error::UnknownRule(rule.to_owned()))?;
+        self.reset_one(rule, key).await
+    }
+
+    async fn reset_one(&self, rule: &Rule, key: &Key) -> Result<(), Error> {
+        let deadline = Deadline::after(self.inner.deadline);
+        deadline.run(self.inner.store.reset(rule, key)).await??;
+        if let Some(denials) = &self.inner.denials {
+            denials.forget(key);
+        }
+        Ok(())
+    }
+
+    /// Refuse `key` under every rule for `duration`, for the whole fleet, with a `Retry-After`
+    /// counting down to the end of the block. Nothing is counted while it lasts.
+    pub async fn block(&self, key: &Key, duration: Duration) -> Result<(), Error> {
+        if duration.is_zero() {
+            return self.unblock(key).await;
+        }
+        self.set_listing(key, Some(Listing::Block(duration))).await
+    }
+
+    /// Refuse `key` under every rule until [`unblock`](Limiter::unblock) (the deny list),
+    /// telling it to come back in a day ([`DENY_RETRY_AFTER`](crate::store::DENY_RETRY_AFTER)).
+    pub async fn deny(&self, key: &Key) -> Result<(), Error> {
+        self.set_listing(key, Some(Listing::Deny)).await
+    }
+
+    /// Never limit `key` (the allow list): every decision admits it and counts nothing, until
+    /// [`unblock`](Limiter::unblock).
+    pub async fn allow(&self, key: &Key) -> Result<(), Error> {
+        self.set_listing(key, Some(Listing::Allow)).await
+    }
+
+    /// Take `key` off the allow and deny lists and end any block: its quotas apply again.
+    pub async fn unblock(&self, key: &Key) -> Result<(), Error> {
+        self.set_listing(key, None).await
+    }
+
+    async fn set_listing(&self, key: &Key, listing: Option<Listing>) -> Result<(), Error> {
+        let deadline = Deadline::after(self.inner.deadline);
+        deadline
+            .run(self.inner.store.set_listing(key, listing))
+            .await??;
+        if let Some(denials) = &self.inner.denials {
+            denials.forget(key);
+        }
+        Ok(())
     }
 
     /// Give back every unspent leased permit now and leave leased mode (for a shutdown; idle

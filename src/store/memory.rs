@@ -11,6 +11,7 @@
 //! Memory per entry: about 100 bytes plus the key (the README has the measured figure).
 
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
-use super::{BoxFuture, Check, Lease, Op, Refund, Store};
+use super::{BoxFuture, Check, Lease, Listing, Op, Refund, Store};
 use crate::algorithm::State;
 use crate::error::ConfigError;
 use crate::{Clock, Decision, Key, Quota, Rule, StoreError, SystemClock};
@@ -72,6 +73,28 @@ struct Inner {
     overflow: Overflow,
     /// Pauses per (rule, key), until when (µs): few, short-lived, pruned on every new one.
     pauses: Mutex<std::collections::HashMap<(Arc<str>, Key), u64>>,
+    /// Allowed, denied and blocked keys; `listed` counts them, so that a store with none (the
+    /// usual case) decides without looking.
+    listings: Mutex<std::collections::HashMap<Key, Listed>>,
+    listed: AtomicUsize,
+}
+
+/// A key's administrative entry, as held: blocks as the time they end (µs).
+#[derive(Debug, Clone, Copy)]
+enum Listed {
+    Allow,
+    Deny,
+    Until(u64),
+}
+
+/// `d` turned into a refusal for `wait`, taking nothing.
+fn refused(mut d: Decision, wait: Duration) -> Decision {
+    d.allowed = false;
+    d.remaining = 0;
+    d.retry_after = Some(wait);
+    d.reset_after = d.reset_after.max(wait);
+    d.taken = None;
+    d
 }
 
 struct Shard {
@@ -158,7 +181,16 @@ impl MemoryStore {
 
     /// Apply `op` to one check, synchronously, without allocating: the in-process hot path.
     pub fn check(&self, op: Op, check: &Check<'_>) -> Decision {
-        self.inner.apply_one(op, check, self.inner.clock.now_us())
+        let now = self.inner.clock.now_us();
+        if let Some(d) = self
+            .inner
+            .apply_listed(op, std::slice::from_ref(check), now)
+        {
+            if let Some(d) = d.into_iter().next() {
+                return d;
+            }
+        }
+        self.inner.apply_one(op, check, now)
     }
 
     /// [`Store::refund`], synchronously.
@@ -291,6 +323,8 @@ impl MemoryStoreBuilder {
                 shard_capacity,
                 overflow: self.overflow,
                 pauses: Mutex::new(std::collections::HashMap::new()),
+                listings: Mutex::new(std::collections::HashMap::new()),
+                listed: AtomicUsize::new(0),
             }),
         }
     }
@@ -316,11 +350,72 @@ impl Inner {
 
     fn apply(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
         let now = self.clock.now_us();
+        if let Some(decisions) = self.apply_listed(op, checks, now) {
+            return decisions;
+        }
+        self.apply_unlisted(op, checks, now)
+    }
+
+    fn apply_unlisted(&self, op: Op, checks: &[Check<'_>], now: u64) -> Vec<Decision> {
         match checks {
             [] => Vec::new(),
             [check] => vec![self.apply_one(op, check, now)],
             _ => self.apply_many(op, checks, now),
         }
+    }
+
+    /// `key`'s entry in force at `now`.
+    fn listed(&self, key: &Key, now: u64) -> Option<Listed> {
+        if self.listed.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        match self.listings.lock().get(key)? {
+            Listed::Until(t) if *t <= now => None,
+            l => Some(*l),
+        }
+    }
+
+    /// The decisions for `checks` when a key among them is listed; `None` when none is (the
+    /// usual path, one atomic load). A refused key refuses the whole batch, taking nothing;
+    /// allowed keys admit without counting, and the other checks are decided together.
+    fn apply_listed(&self, op: Op, checks: &[Check<'_>], now: u64) -> Option<Vec<Decision>> {
+        if self.listed.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let listed: Vec<Option<Listed>> = checks.iter().map(|c| self.listed(c.key, now)).collect();
+        if listed.iter().all(Option::is_none) {
+            return None;
+        }
+        let refusing = listed
+            .iter()
+            .any(|l| matches!(l, Some(Listed::Deny | Listed::Until(_))));
+        let unlisted: Vec<Check<'_>> = checks
+            .iter()
+            .zip(&listed)
+            .filter(|(_, l)| l.is_none())
+            .map(|(c, _)| *c)
+            .collect();
+        let op_unlisted = if refusing { Op::Peek } else { op };
+        let mut rest = self.apply_unlisted(op_unlisted, &unlisted, now).into_iter();
+        let decisions = checks
+            .iter()
+            .zip(listed)
+            .map(|(c, l)| {
+                let peeked = || self.apply_one(Op::Peek, c, now);
+                match l {
+                    None => rest.next().unwrap_or_else(peeked),
+                    Some(Listed::Allow) => Decision {
+                        allowed: true,
+                        ..peeked()
+                    },
+                    Some(Listed::Deny) => refused(peeked(), crate::store::DENY_RETRY_AFTER),
+                    Some(Listed::Until(t)) => {
+                        refused(peeked(), Duration::from_micros(t.saturating_sub(now)))
+                    }
+                }
+            })
+            .collect();
+        Some(decisions)
     }
 
     fn apply_one(&self, op: Op, check: &Check<'_>, now: u64) -> Decision {
@@ -634,6 +729,23 @@ impl MemoryStore {
         let inner = &self.inner;
         let now = inner.clock.now_us();
         let quota = check.rule.quota();
+        if let Some(state) = inner.apply_listed(Op::Peek, std::slice::from_ref(&check), now) {
+            // A listed key is decided request by request.
+            return Ok(Lease {
+                permits: 0,
+                valid_until_us: now,
+                valid_for: Duration::ZERO,
+                state: state
+                    .into_iter()
+                    .next()
+                    .unwrap_or_else(|| Decision::admit(0, 0, Duration::ZERO)),
+                taken: crate::Taken {
+                    at: now,
+                    cost: 0,
+                    algorithm: quota.algorithm(),
+                },
+            });
+        }
         if !State::leasable(quota) {
             return Err(StoreError::Script(format!(
                 "{} cannot be leased",
@@ -729,6 +841,58 @@ impl Store for MemoryStore {
         let mut pauses = self.inner.pauses.lock();
         pauses.retain(|_, until| *until > now);
         pauses.insert((rule.shared_name().clone(), key.clone()), until);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn set_listing<'a>(
+        &'a self,
+        key: &'a Key,
+        listing: Option<Listing>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let now = self.inner.clock.now_us();
+        let mut listings = self.inner.listings.lock();
+        listings.retain(|_, l| !matches!(l, Listed::Until(t) if *t <= now));
+        match listing {
+            None => {
+                listings.remove(key);
+            }
+            Some(l) => {
+                let held = match l {
+                    Listing::Allow => Listed::Allow,
+                    Listing::Deny => Listed::Deny,
+                    Listing::Block(d) => Listed::Until(
+                        now.saturating_add(d.as_micros().min(u128::from(u64::MAX / 2)) as u64),
+                    ),
+                };
+                listings.insert(key.clone(), held);
+            }
+        }
+        self.inner.listed.store(listings.len(), Ordering::Release);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
+        let now = self.inner.clock.now_us();
+        let listing = self.inner.listed(key, now).map(|l| match l {
+            Listed::Allow => Listing::Allow,
+            Listed::Deny => Listing::Deny,
+            Listed::Until(t) => Listing::Block(Duration::from_micros(t - now)),
+        });
+        Box::pin(std::future::ready(Ok(listing)))
+    }
+
+    fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>> {
+        let check = Check { rule, key, cost: 1 };
+        let inner = &self.inner;
+        let hash = inner.hash(&check);
+        let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
+        let name = rule.shared_name();
+        if let Ok(entry) = shard
+            .table
+            .find_entry(hash, |e| *e.key == *key.as_bytes() && *e.rule == **name)
+        {
+            entry.remove();
+        }
         Box::pin(std::future::ready(Ok(())))
     }
 

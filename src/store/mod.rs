@@ -72,6 +72,23 @@ pub struct Lease {
     pub taken: Taken,
 }
 
+/// An administrator's entry for a key, across every rule of a store (of one key prefix, for
+/// Redis): it outranks the key's quotas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Listing {
+    /// Never limited: every decision admits and counts nothing.
+    Allow,
+    /// Always refused, until the entry is removed (a `Retry-After` of [`DENY_RETRY_AFTER`]).
+    Deny,
+    /// Refused for this long from when it was set (read back: for how long still).
+    Block(Duration),
+}
+
+/// The wait a denied key is told: a deny-list entry has no end, and clients should not come
+/// back soon.
+pub const DENY_RETRY_AFTER: Duration = Duration::from_secs(86_400);
+
 pub(crate) mod sealed {
     /// Only this crate's stores implement [`Store`](super::Store): their state formats, receipts
     /// and scripts are held together by its tests.
@@ -142,6 +159,20 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
     fn check_in_process(&self, _op: Op, _check: &Check<'_>) -> Option<Decision> {
         None
     }
+
+    /// Put `key` on the allow list, the deny list or block it (`Some`), or take it off
+    /// (`None`), for every rule, for the whole fleet.
+    fn set_listing<'a>(
+        &'a self,
+        key: &'a Key,
+        listing: Option<Listing>,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// `key`'s entry, if it has one in force (a block that ended has none).
+    fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>>;
+
+    /// Forget `rule`'s state for `key`: the key starts afresh under that rule.
+    fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// How many parts of the store can fail independently (a cluster's slots). The limiter keeps
     /// a circuit breaker for each, so one dead node does not take the others' keys down with it.

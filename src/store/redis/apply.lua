@@ -1,6 +1,8 @@
 -- fleetlimit: apply one operation to a batch of checks, atomically.
 --
--- KEYS[i]: the state of check i (all keys of one call share a hash tag or a slot).
+-- KEYS[i]: the state of check i (all keys of one call share a hash tag or a slot); for
+--   'consume', 'peek' and 'lease', optionally followed by KEYS[n + i]: the listing of check i's
+--   key ('allow', 'deny', or the end of a block in µs; see listing.lua), which outranks quotas.
 -- ARGV[1]: 'consume' | 'peek' | 'refund' | 'lease'
 -- ARGV[2]: now in µs since the epoch, or '' to read the server's clock (the fleet's one clock).
 -- ARGV[3 + 9(i-1) ...]: for check i: algorithm (1 fixed window, 2 sliding log, 3 sliding
@@ -23,11 +25,13 @@ local PER_CHECK = 11
 local ONCE_TTL_MS = 10000
 
 local op = ARGV[1]
-local nchecks = #KEYS
+local nchecks = math.floor((#ARGV - 2) / PER_CHECK)
 local once = nil
+local with_listings = op ~= 'refund' and #KEYS >= 2 * nchecks
+-- A deny-list entry has no end: its clients are told to come back in a day.
+local DENY_WAIT_US = 86400000000
 if op == 'refund' then
-  nchecks = nchecks - 1
-  once = KEYS[#KEYS]
+  once = KEYS[nchecks + 1]
   local answered = redis.call('GET', once)
   if answered then
     local replay = {}
@@ -62,6 +66,27 @@ for i = 1, nchecks do
   checks[i] = { alg = alg, q = q, cost = tonumber(ARGV[a + 9]), at = tonumber(ARGV[a + 10]), st = st }
 end
 
+-- Check i's listing in force: 'allow', 'deny', a block's end (µs), or nil.
+local function listed(i)
+  if not with_listings then return nil end
+  local v = redis.call('GET', KEYS[nchecks + i])
+  if not v or v == 'allow' or v == 'deny' then return v or nil end
+  local t = tonumber(v)
+  if t ~= nil and t > now then return t end
+  return nil
+end
+
+local listing = {}
+for i = 1, nchecks do listing[i] = listed(i) end
+
+local function refuse(d, wait)
+  d[1] = 0
+  d[3] = 0
+  d[5] = wait
+  if d[4] < wait then d[4] = wait end
+  return d
+end
+
 local out = {}
 local function emit(d, taken)
   for j = 1, 5 do out[#out + 1] = d[j] end
@@ -73,6 +98,29 @@ local function peek(c)
   local d = c.alg.decide(c.st, now, c.q, 1)
   if d[1] == 1 then d[3] = d[3] + 1 end
   return d
+end
+
+-- A listed check decides by its listing, from its state as a peek sees it, taking nothing.
+local function decide_listed(c, l)
+  local d = peek(c)
+  if l == 'allow' then
+    d[1] = 1
+  elseif l == 'deny' then
+    refuse(d, DENY_WAIT_US)
+  else
+    refuse(d, l - now)
+  end
+  return d
+end
+
+if op == 'lease' and listing[1] ~= nil then
+  -- A listed key is decided request by request: no block.
+  emit(decide_listed(checks[1], listing[1]), -1)
+  out[#out + 1] = 0
+  out[#out + 1] = now
+  out[#out + 1] = 0
+  out[#out + 1] = now
+  return out
 end
 
 if op == 'lease' then
@@ -107,14 +155,21 @@ end
 local decisions = {}
 local all_allowed = true
 for i, c in ipairs(checks) do
-  decisions[i] = c.alg.decide(c.st, now, c.q, c.cost)
+  if listing[i] ~= nil then
+    decisions[i] = decide_listed(c, listing[i])
+  else
+    decisions[i] = c.alg.decide(c.st, now, c.q, c.cost)
+  end
   if decisions[i][1] == 0 then all_allowed = false end
 end
 
 for i, c in ipairs(checks) do
   local d = decisions[i]
   local taken = -1
-  if op == 'consume' and all_allowed then
+  if listing[i] ~= nil then
+    -- Counted nothing; a state read under another quota keeps its conversion.
+    if c.st.dirty then c.alg.save(c.st, now, c.q) end
+  elseif op == 'consume' and all_allowed then
     taken = c.alg.commit(c.st, now, c.q, c.cost)
     c.alg.save(c.st, now, c.q)
   else

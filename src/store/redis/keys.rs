@@ -25,6 +25,18 @@ pub(crate) fn redis_key(prefix: &str, rule: &Rule, key: &Key) -> Vec<u8> {
     out
 }
 
+/// `<prefix>{<key>}:listing`: the key's allow/deny/block entry, beside its states (same slot);
+/// no state key ends so (they end with the algorithm).
+pub(crate) fn listing_key(prefix: &str, key: &Key) -> Vec<u8> {
+    let key_bytes = key.as_bytes();
+    let mut out = Vec::with_capacity(prefix.len() + 3 * key_bytes.len() + 10);
+    out.extend_from_slice(prefix.as_bytes());
+    out.push(b'{');
+    encode(key_bytes, &mut out);
+    out.extend_from_slice(b"}:listing");
+    out
+}
+
 fn encode(bytes: &[u8], out: &mut Vec<u8>) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for &b in bytes {

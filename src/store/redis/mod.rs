@@ -21,15 +21,15 @@ use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, RedisError, Script};
 use tokio::sync::OnceCell;
 
-use super::{BoxFuture, Check, Lease, Op, Refund, Store};
+use super::{BoxFuture, Check, Lease, Listing, Op, Refund, Store};
 use crate::algorithm::us;
 use crate::error::{ConfigError, Error};
 use crate::{Algorithm, Clock, Decision, Key, Rule, StoreError, Taken};
 
 mod keys;
 
-use keys::redis_key;
 pub use keys::slot;
+use keys::{listing_key, redis_key};
 
 /// The Redis key of `rule`'s state for `key` under the default prefix, as text (the encoding
 /// is ASCII), for tools such as `redis-cli`. A hook for benchmarks and audits.
@@ -50,6 +50,9 @@ pub const MIN_REDIS_VERSION: (u32, u32) = (5, 0);
 
 /// Numbers the script answers per check.
 const PER_DECISION: usize = 6;
+
+/// Reads and sets a key's listing (`listing.lua`); admin calls are rare, so it is sent whole.
+const LISTING_SCRIPT: &str = include_str!("listing.lua");
 
 const SCRIPT: &str = concat!(
     include_str!("prelude.lua"),
@@ -782,6 +785,9 @@ impl Inner {
             if let Some(first) = keys.first() {
                 keys.push(once_key(first.clone(), &format!("{:016x}", once_token())));
             }
+        } else {
+            // Each check's listing (allow, deny, block), read in the same atomic step.
+            keys.extend(checks.iter().map(|c| listing_key(&self.prefix, c.key)));
         }
         let mut args: Vec<Vec<u8>> = Vec::with_capacity(3 + 9 * checks.len());
         push(&mut args, op);
@@ -880,6 +886,34 @@ impl Inner {
             Ready::Shared(mut conn) => self.on_shared(cmd.query_async(&mut conn)).await,
         }
         .map_err(store_error)
+    }
+
+    /// Run the listing script for `key`: `op` ('get', 'allow', 'deny', 'block', 'clear').
+    async fn listing(
+        &self,
+        key: &Key,
+        op: &str,
+        block_us: u64,
+    ) -> Result<Option<Listing>, StoreError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(LISTING_SCRIPT)
+            .arg(1)
+            .arg(listing_key(&self.prefix, key))
+            .arg(op);
+        match &self.clock {
+            Some(clock) => cmd.arg(clock.now_us()),
+            None => cmd.arg(""),
+        };
+        cmd.arg(block_us);
+        let (kind, left_us): (String, i64) = self.command(cmd).await?;
+        Ok(match kind.as_str() {
+            "allow" => Some(Listing::Allow),
+            "deny" => Some(Listing::Deny),
+            "block" => Some(Listing::Block(Duration::from_micros(
+                u64::try_from(left_us).unwrap_or(0),
+            ))),
+            _ => None,
+        })
     }
 
     /// The key holding a pause of `rule` for `key`: beside its state, in the same slot.
@@ -1063,6 +1097,37 @@ impl Store for RedisStore {
                 .ok()
                 .filter(|&ms| ms > 0)
                 .map(Duration::from_millis))
+        })
+    }
+
+    fn set_listing<'a>(
+        &'a self,
+        key: &'a Key,
+        listing: Option<Listing>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let (op, block_us) = match listing {
+                None => ("clear", 0),
+                Some(Listing::Allow) => ("allow", 0),
+                Some(Listing::Deny) => ("deny", 0),
+                Some(Listing::Block(d)) => (
+                    "block",
+                    d.as_micros().clamp(1, u128::from(u64::MAX / 4)) as u64,
+                ),
+            };
+            self.inner.listing(key, op, block_us).await.map(|_| ())
+        })
+    }
+
+    fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
+        Box::pin(self.inner.listing(key, "get", 0))
+    }
+
+    fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut cmd = redis::cmd("DEL");
+            cmd.arg(redis_key(&self.inner.prefix, rule, key));
+            self.inner.command::<i64>(cmd).await.map(|_| ())
         })
     }
 

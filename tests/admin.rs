@@ -1,0 +1,215 @@
+//! Key administration, fleet-wide: inspect, reset, block, allow and deny lists, on the memory
+//! store and on a real redis-server.
+
+mod support;
+
+use std::time::Duration;
+
+use fleetlimit::store::{Listing, Op, RedisStore, DENY_RETRY_AFTER};
+use fleetlimit::{Algorithm, Key, Limiter, ManualClock, MemoryStore, OnStoreError, Quota, Rule};
+use support::redis::RedisServer;
+
+/// 2025-01-01T00:00:00Z in µs: aligned to every whole-second period.
+const T0: u64 = 1_735_689_600_000_000;
+
+fn rules() -> Vec<Rule> {
+    let q = |n, a| Quota::per_minute(n).algorithm(a).build().unwrap();
+    vec![
+        Rule::new("account", q(10, Algorithm::FixedWindow)).unwrap(),
+        Rule::new("burst", q(5, Algorithm::Gcra)).unwrap(),
+    ]
+}
+
+enum Backend {
+    Memory(MemoryStore),
+    Redis(RedisServer),
+}
+
+impl Backend {
+    /// An instance of the service: a limiter on the shared backend, with the defaults a user
+    /// gets (the denial cache on, for Redis).
+    async fn instance(&self, clock: &ManualClock) -> Limiter {
+        match self {
+            Backend::Memory(store) => rules()
+                .into_iter()
+                .fold(Limiter::builder(store.clone()), |b, r| b.rule(r))
+                .build()
+                .unwrap(),
+            Backend::Redis(server) => {
+                let store = RedisStore::builder()
+                    .connect_timeout(Duration::from_secs(2))
+                    .clock(clock.clone())
+                    .connect(&server.url())
+                    .await
+                    .unwrap();
+                rules()
+                    .into_iter()
+                    .fold(Limiter::builder(store), |b, r| b.rule(r))
+                    .on_store_error(OnStoreError::fail_closed())
+                    .deadline(Duration::from_secs(2))
+                    .clock(clock.clone())
+                    .build()
+                    .unwrap()
+            }
+        }
+    }
+}
+
+async fn each_backend(test: impl AsyncFn(Backend, ManualClock, &'static str)) {
+    let clock = ManualClock::new(T0);
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    test(Backend::Memory(memory), clock, "memory").await;
+    let clock = ManualClock::new(T0);
+    test(Backend::Redis(RedisServer::start()), clock, "redis").await;
+}
+
+async fn admitted(limiter: &Limiter, key: &Key, tries: usize) -> usize {
+    let mut n = 0;
+    for _ in 0..tries {
+        n += usize::from(limiter.consume(key, 1).await.unwrap().allowed);
+    }
+    n
+}
+
+async fn remaining(limiter: &Limiter, key: &Key) -> Vec<u64> {
+    let state = limiter.inspect(key).await.unwrap();
+    state.rules.iter().map(|r| r.decision.remaining).collect()
+}
+
+#[tokio::test]
+async fn inspect_reads_every_rule_and_consumes_nothing() {
+    each_backend(async |backend, clock, name| {
+        let a = backend.instance(&clock).await;
+        let key = Key::new("alice");
+        assert_eq!(admitted(&a, &key, 3).await, 3);
+        for _ in 0..3 {
+            let state = a.inspect(&key).await.unwrap();
+            assert_eq!(state.listing, None, "{name}");
+            let names: Vec<&str> = state.rules.iter().map(|r| r.rule.as_str()).collect();
+            assert_eq!(names, ["account", "burst"], "{name}");
+            assert_eq!(state.rules[0].decision.limit, 10, "{name}");
+            assert_eq!(remaining(&a, &key).await, [7, 2], "{name}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn reset_starts_a_key_afresh_on_every_instance() {
+    each_backend(async |backend, clock, name| {
+        let a = backend.instance(&clock).await;
+        let b = backend.instance(&clock).await;
+        let key = Key::new("bob");
+        assert_eq!(admitted(&a, &key, 8).await, 5, "{name}: the burst of 5");
+        assert_eq!(
+            admitted(&b, &key, 2).await,
+            0,
+            "{name}: b remembers the denial"
+        );
+        // Reset one rule: the other still refuses.
+        a.reset_rule(&key, "burst").await.unwrap();
+        assert_eq!(remaining(&a, &key).await, [5, 5], "{name}");
+        a.reset(&key).await.unwrap();
+        assert_eq!(remaining(&a, &key).await, [10, 5], "{name}");
+        // B trusts what it remembered at most 1 s (DEFAULT_DENY_CACHE_MAX_AGE).
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(admitted(&b, &key, 10).await, 5, "{name}: afresh on b too");
+        assert!(a.reset_rule(&key, "nope").await.is_err());
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_block_refuses_everywhere_with_an_honest_wait_and_counts_nothing() {
+    each_backend(async |backend, clock, name| {
+        let a = backend.instance(&clock).await;
+        let b = backend.instance(&clock).await;
+        let key = Key::new("mallory");
+        assert_eq!(admitted(&a, &key, 1).await, 1);
+        a.block(&key, Duration::from_secs(30)).await.unwrap();
+        clock.advance(Duration::from_millis(500));
+        for limiter in [&a, &b] {
+            let d = limiter.consume(&key, 1).await.unwrap();
+            assert!(!d.allowed, "{name}");
+            let wait = d.retry_after.unwrap();
+            assert!(
+                wait > Duration::from_secs(29) && wait <= Duration::from_millis(29_500),
+                "{name}: {wait:?}"
+            );
+        }
+        assert_eq!(
+            a.inspect(&key).await.unwrap().listing,
+            Some(Listing::Block(Duration::from_millis(29_500))),
+            "{name}"
+        );
+        // Nothing is counted while blocked; after it, the quotas hold as before.
+        clock.advance(Duration::from_secs(30));
+        assert_eq!(a.inspect(&key).await.unwrap().listing, None, "{name}");
+        assert_eq!(remaining(&b, &key).await[0], 9, "{name}");
+        // A block ended early.
+        b.block(&key, Duration::from_secs(600)).await.unwrap();
+        assert_eq!(admitted(&a, &key, 1).await, 0, "{name}");
+        b.unblock(&key).await.unwrap();
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(admitted(&a, &key, 1).await, 1, "{name}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn allowed_keys_are_never_limited_and_denied_keys_always_refused() {
+    each_backend(async |backend, clock, name| {
+        let a = backend.instance(&clock).await;
+        let vip = Key::new("vip");
+        assert_eq!(admitted(&a, &vip, 10).await, 5);
+        a.allow(&vip).await.unwrap();
+        assert_eq!(admitted(&a, &vip, 100).await, 100, "{name}");
+        a.unblock(&vip).await.unwrap();
+        assert_eq!(
+            admitted(&a, &vip, 1).await,
+            0,
+            "{name}: the state is as it was"
+        );
+
+        let spam = Key::new("spam");
+        a.deny(&spam).await.unwrap();
+        let d = a.consume(&spam, 1).await.unwrap();
+        assert!(!d.allowed, "{name}");
+        assert_eq!(d.retry_after, Some(DENY_RETRY_AFTER), "{name}");
+        assert_eq!(a.inspect(&spam).await.unwrap().listing, Some(Listing::Deny));
+        clock.advance(Duration::from_secs(3600));
+        assert_eq!(admitted(&a, &spam, 3).await, 0, "{name}: no end");
+    })
+    .await;
+}
+
+/// A blocked key refuses a request on several rules and keys (per account AND per IP) as a
+/// whole: nothing is taken from the other key.
+#[tokio::test]
+async fn a_blocked_key_takes_nothing_from_the_others_in_its_request() {
+    each_backend(async |backend, clock, name| {
+        let a = backend.instance(&clock).await;
+        let (account, ip) = (Key::new("acct"), Key::new("203.0.113.9"));
+        a.block(&account, Duration::from_secs(60)).await.unwrap();
+        let d = a
+            .apply_to(Op::Consume, &[("account", &account), ("burst", &ip)], 1)
+            .await
+            .unwrap();
+        assert!(!d[0].allowed, "{name}");
+        assert_eq!(
+            remaining(&a, &ip).await[1],
+            5,
+            "{name}: nothing taken from the IP"
+        );
+        // An allowed account with an unlisted IP: the IP is still counted.
+        a.allow(&account).await.unwrap();
+        let d = a
+            .apply_to(Op::Consume, &[("account", &account), ("burst", &ip)], 1)
+            .await
+            .unwrap();
+        assert!(d.iter().all(|d| d.allowed), "{name}");
+        assert_eq!(remaining(&a, &ip).await[1], 4, "{name}");
+        assert_eq!(remaining(&a, &account).await[0], 10, "{name}");
+    })
+    .await;
+}
