@@ -11,6 +11,7 @@
 //!     [--trusted-proxies CIDR[,CIDR...] | --trusted-hops N]
 //!     [--redis-ca FILE]                         (with --store rediss://HOST:PORT)
 //!     [--rules FILE]                            (in place of --algorithm/--limit/--period/--burst)
+//!     [--admin-token TOKEN]                     (key administration at /admin)
 //! ```
 //!
 //! `--store` also takes `rediss://HOST:PORT` (TLS; `--redis-ca` names the CA to trust) and
@@ -30,6 +31,10 @@
 //! rules from a TOML file (`[[rule]]` tables with `name`, `algorithm`, `limit`, `period`, optional
 //! `burst`; every rule keyed like the single one) and reloads it when it changes, within 250 ms,
 //! logging what changed; a file that cannot be used keeps the running rules and logs why.
+//! `--admin-token TOKEN` mounts the key administration endpoints
+//! of `fleetlimit::admin` at `/admin` (`GET /admin/keys/{key}`, `DELETE /admin/keys/{key}`,
+//! `POST /admin/keys/{key}/block?seconds=N`, ...; `{key}` is the `x-api-key` value), answering
+//! 401 to any request without `Authorization: Bearer TOKEN`; they are not rate limited.
 //! `--help` prints the usage;
 //! an invalid command line exits 2 with a message on stderr, a failure to start exits 1.
 
@@ -58,7 +63,8 @@ redis-sentinel://HOST:PORT,.../MASTER] \
 [--limit 100] [--period 60s] [--burst N] [--on-store-error open|closed|local] \
 [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK] \
 [--max-keys N] [--refund-status LIST (e.g. 500-599,429)] \
-[--trusted-proxies CIDR[,CIDR...] | --trusted-hops N] [--redis-ca FILE] [--rules FILE]";
+[--trusted-proxies CIDR[,CIDR...] | --trusted-hops N] [--redis-ca FILE] [--rules FILE] \
+[--admin-token TOKEN]";
 
 /// The longest `?sleep_ms=` the demo honours.
 const MAX_SLEEP_MS: u64 = 600_000;
@@ -80,6 +86,8 @@ struct Options {
     redis_ca: Option<String>,
     /// `--rules FILE`: the rules, reloaded when the file changes.
     rules_file: Option<std::path::PathBuf>,
+    /// `--admin-token TOKEN`: mount the admin endpoints at `/admin`, for this bearer token.
+    admin_token: Option<String>,
 }
 
 /// What the command line asked for: run, or print the usage.
@@ -177,6 +185,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
         trusted: None,
         redis_ca: None,
         rules_file: None,
+        admin_token: None,
     };
     let mut seen = HashSet::new();
     let mut args = args.peekable();
@@ -245,6 +254,14 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
             "--refund-status" => o.refund_status = parse_statuses(&value()?)?,
             "--redis-ca" => o.redis_ca = Some(value()?),
             "--rules" => o.rules_file = Some(value()?.into()),
+            "--admin-token" => {
+                let token = value()?;
+                let printable = token.bytes().all(|b| b.is_ascii_graphic());
+                if token.is_empty() || !printable {
+                    return Err("--admin-token: visible ASCII characters, no spaces".into());
+                }
+                o.admin_token = Some(token);
+            }
             "--trusted-proxies" | "--trusted-hops" if o.trusted.is_some() => {
                 return Err("--trusted-proxies and --trusted-hops exclude each other".into())
             }
@@ -576,7 +593,7 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        let app = match &options.rules_file {
+        let (app, admin) = match &options.rules_file {
             Some(path) => {
                 let active = Arc::new(ArcSwap::from_pointee(Active { limiter, layer }));
                 let reloader = Reloader {
@@ -585,9 +602,22 @@ fn main() -> ExitCode {
                     active: active.clone(),
                 };
                 tokio::spawn(reloader.watch(path.clone(), rules));
-                routes().layer(Current(active))
+                let current = active.clone();
+                let admin = fleetlimit::admin::router_with(move || current.load().limiter.clone());
+                (routes().layer(Current(active)), admin)
             }
-            None => routes().layer(layer),
+            None => (routes().layer(layer), fleetlimit::admin::router(limiter)),
+        };
+        let app = match &options.admin_token {
+            // Not rate limited: it is how an operator lifts a limit.
+            Some(token) => app.nest(
+                "/admin",
+                admin.layer(axum::middleware::from_fn_with_state(
+                    Arc::<str>::from(format!("Bearer {token}")),
+                    operator_only,
+                )),
+            ),
+            None => app,
         };
         match serve(options.port, app).await {
             Ok(()) => ExitCode::SUCCESS,
@@ -597,6 +627,32 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// The admin endpoints answer only requests carrying the operator's bearer token.
+async fn operator_only(
+    axum::extract::State(expected): axum::extract::State<Arc<str>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let given = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    if given.is_some_and(|g| constant_time_eq(g, expected.as_bytes())) {
+        next.run(req).await
+    } else {
+        axum::response::IntoResponse::into_response((
+            StatusCode::UNAUTHORIZED,
+            [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+            "admin endpoints need Authorization: Bearer TOKEN",
+        ))
+    }
+}
+
+/// Compare without returning early at the first different byte (no timing hint to a guesser).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// `?sleep_ms=N`: how long the handler takes.

@@ -42,6 +42,8 @@
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+#[cfg(feature = "admin")]
+pub mod admin;
 mod algorithm;
 mod clock;
 #[cfg(feature = "serde")]

@@ -167,6 +167,7 @@ fn help_prints_the_usage_on_stdout_and_exits_0() {
             "--trusted-hops",
             "--redis-ca",
             "--rules",
+            "--admin-token",
             "rediss://",
             "redis-sentinel://",
         ] {
@@ -536,4 +537,125 @@ fn a_rules_file_that_cannot_be_used_is_a_command_line_error() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("error: "), "{args:?}: {err}");
     }
+}
+
+/// A request with a method, path and headers; the whole response.
+fn request(port: u16, method: &str, path: &str, headers: &[(&str, &str)]) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n"
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    write!(s, "{head}\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn body_of(response: &str) -> &str {
+    response.split_once("\r\n\r\n").map_or("", |(_, b)| b)
+}
+
+#[test]
+fn the_admin_endpoints_inspect_reset_and_block_keys_for_the_token_holder() {
+    let server = start(&[
+        "--port",
+        "0",
+        "--limit",
+        "3",
+        "--admin-token",
+        "s3cret-token",
+    ]);
+    let port = server.1;
+    let operator = [("Authorization", "Bearer s3cret-token")];
+    for _ in 0..3 {
+        assert_eq!(status(&get(port, Some("tenant-7"))), 200);
+    }
+    assert_eq!(status(&get(port, Some("tenant-7"))), 429);
+    // No token, a wrong one, another scheme: 401, and nothing happens.
+    for headers in [
+        &[][..],
+        &[("Authorization", "Bearer wrong")],
+        &[("Authorization", "Basic czNjcmV0LXRva2Vu")],
+    ] {
+        for (method, path) in [
+            ("GET", "/admin/keys/tenant-7"),
+            ("DELETE", "/admin/keys/tenant-7"),
+            ("POST", "/admin/keys/tenant-7/block?seconds=5"),
+        ] {
+            let r = request(port, method, path, headers);
+            assert_eq!(status(&r), 401, "{method} {path} {headers:?}: {r}");
+        }
+    }
+    assert_eq!(status(&get(port, Some("tenant-7"))), 429, "still exhausted");
+    // Inspect: the key as the demo extracts it, every rule, consuming nothing.
+    let r = request(port, "GET", "/admin/keys/tenant-7", &operator);
+    assert_eq!(status(&r), 200, "{r}");
+    assert!(
+        r.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{r}"
+    );
+    let json: serde_json::Value = serde_json::from_str(body_of(&r)).unwrap();
+    assert_eq!(json["key"], "tenant-7");
+    assert_eq!(json["rules"][0]["rule"], "demo");
+    assert_eq!(json["rules"][0]["limit"], 3);
+    assert_eq!(json["rules"][0]["remaining"], 0);
+    assert!(json["rules"][0]["reset_ms"].as_u64().unwrap() > 0);
+    assert!(json["rules"][0]["blocked_until_ms"].is_null());
+    // Reset: the key starts afresh.
+    let r = request(port, "DELETE", "/admin/keys/tenant-7", &operator);
+    assert_eq!(status(&r), 204, "{r}");
+    for _ in 0..3 {
+        assert_eq!(status(&get(port, Some("tenant-7"))), 200);
+    }
+    // Block: 429 with Retry-After about N, reported by inspect.
+    let r = request(
+        port,
+        "POST",
+        "/admin/keys/other/block?seconds=40",
+        &operator,
+    );
+    assert_eq!(status(&r), 204, "{r}");
+    let denied = get(port, Some("other"));
+    assert_eq!(status(&denied), 429);
+    let retry: u64 = denied
+        .to_ascii_lowercase()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("retry-after: ")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .unwrap();
+    assert!((39..=40).contains(&retry), "{denied}");
+    let r = request(port, "GET", "/admin/keys/other", &operator);
+    let json: serde_json::Value = serde_json::from_str(body_of(&r)).unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let until = json["rules"][0]["blocked_until_ms"].as_u64().unwrap();
+    assert!(until > now_ms + 35_000 && until <= now_ms + 41_000, "{r}");
+    // A block without its length is refused.
+    let r = request(port, "POST", "/admin/keys/other/block", &operator);
+    assert_eq!(status(&r), 400, "{r}");
+    // Unblock lifts it.
+    let r = request(port, "POST", "/admin/keys/other/unblock", &operator);
+    assert_eq!(status(&r), 204, "{r}");
+    assert_eq!(status(&get(port, Some("other"))), 200);
+}
+
+#[test]
+fn without_an_admin_token_there_are_no_admin_endpoints() {
+    let server = start(&["--port", "0"]);
+    let r = request(
+        server.1,
+        "GET",
+        "/admin/keys/k",
+        &[("Authorization", "Bearer x")],
+    );
+    assert_eq!(status(&r), 404, "{r}");
 }

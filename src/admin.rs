@@ -1,0 +1,216 @@
+//! An axum router exposing key administration as JSON endpoints (feature `admin`), for you to
+//! mount behind your own authentication:
+//!
+//! | Request | Does | Answer |
+//! |---|---|---|
+//! | `GET /keys/{key}` | [`Limiter::inspect`] | 200, JSON below |
+//! | `DELETE /keys/{key}` | [`Limiter::reset`] | 204 |
+//! | `DELETE /keys/{key}/rules/{rule}` | [`Limiter::reset_rule`] | 204; 404 for an unknown rule |
+//! | `POST /keys/{key}/block?seconds=N` | [`Limiter::block`] | 204; 400 without a whole `N` ≥ 1 |
+//! | `POST /keys/{key}/deny` | [`Limiter::deny`] | 204 |
+//! | `POST /keys/{key}/allow` | [`Limiter::allow`] | 204 |
+//! | `POST /keys/{key}/unblock` | [`Limiter::unblock`] | 204 |
+//!
+//! `{key}` is the key as your extractor makes it (percent-encoded in the path). A store that
+//! cannot answer gives `503` with `{"error":"store_unavailable"}`. `GET` answers:
+//!
+//! ```json
+//! {"key": "tenant-1", "listing": null,
+//!  "rules": [{"rule": "api", "limit": 100, "remaining": 42, "reset_ms": 31000,
+//!             "blocked_until_ms": null}]}
+//! ```
+//!
+//! `listing` is `"allow"`, `"deny"`, `"block"` or `null`; `blocked_until_ms` is when a block
+//! ends (Unix time, ms), `null` when there is none. **Security**: these endpoints reset and
+//! block any client; the router has no authentication of its own. Mount it on an internal
+//! listener, or behind a middleware that checks an operator's credentials, never on the public
+//! routes as they are:
+//!
+//! ```
+//! use axum::{middleware, Router};
+//! use fleetlimit::{admin, Limiter, MemoryStore, Quota, Rule};
+//!
+//! let limiter = Limiter::builder(MemoryStore::new())
+//!     .rule(Rule::new("api", Quota::per_minute(100).build()?)?)
+//!     .build()?;
+//! let app: Router = Router::new().nest(
+//!     "/admin",
+//!     admin::router(limiter).layer(middleware::from_fn(
+//!         |req: axum::extract::Request, next: middleware::Next| async move {
+//!             // Check an operator's credentials here.
+//!             next.run(req).await
+//!         },
+//!     )),
+//! );
+//! # let _ = app;
+//! # Ok::<(), fleetlimit::ConfigError>(())
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, Response, StatusCode};
+use axum::routing::{delete, get, post};
+use axum::Router;
+
+use crate::store::Listing;
+use crate::{Error, Key, Limiter};
+
+type Source = Arc<dyn Fn() -> Limiter + Send + Sync>;
+
+/// The admin router for `limiter`.
+pub fn router(limiter: Limiter) -> Router {
+    router_with(move || limiter.clone())
+}
+
+/// The admin router for whichever limiter `current` returns at each request (one replaced
+/// while the service runs, say).
+pub fn router_with(current: impl Fn() -> Limiter + Send + Sync + 'static) -> Router {
+    let source: Source = Arc::new(current);
+    Router::new()
+        .route("/keys/{key}", get(inspect).delete(reset))
+        .route("/keys/{key}/rules/{rule}", delete(reset_rule))
+        .route("/keys/{key}/block", post(block))
+        .route("/keys/{key}/deny", post(deny))
+        .route("/keys/{key}/allow", post(allow))
+        .route("/keys/{key}/unblock", post(unblock))
+        .with_state(source)
+}
+
+fn json(status: StatusCode, body: String) -> Response<Body> {
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn error(status: StatusCode, code: &str) -> Response<Body> {
+    json(status, serde_json::json!({ "error": code }).to_string())
+}
+
+fn done(result: Result<(), Error>) -> Response<Body> {
+    match result {
+        Ok(()) => {
+            let mut r = Response::new(Body::empty());
+            *r.status_mut() = StatusCode::NO_CONTENT;
+            r
+        }
+        Err(e) => failed(&e),
+    }
+}
+
+fn failed(e: &Error) -> Response<Body> {
+    match e {
+        Error::UnknownRule(_) => error(StatusCode::NOT_FOUND, "unknown_rule"),
+        _ => {
+            tracing::warn!(error = %e, "fleetlimit: an admin request could not be carried out");
+            error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+        }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+async fn inspect(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
+    let state = match source().inspect(&Key::new(&key)).await {
+        Ok(state) => state,
+        Err(e) => return failed(&e),
+    };
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, millis);
+    let (listing, blocked_until_ms) = match state.listing {
+        None => (None, None),
+        Some(Listing::Allow) => (Some("allow"), None),
+        Some(Listing::Deny) => (Some("deny"), None),
+        Some(Listing::Block(left)) => (Some("block"), Some(now_ms.saturating_add(millis(left)))),
+    };
+    let rules: Vec<serde_json::Value> = state
+        .rules
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "rule": r.rule,
+                "limit": r.decision.limit,
+                "remaining": r.decision.remaining,
+                "reset_ms": millis(r.decision.reset_after),
+                "blocked_until_ms": blocked_until_ms,
+            })
+        })
+        .collect();
+    let body = serde_json::json!({ "key": key, "listing": listing, "rules": rules });
+    json(StatusCode::OK, body.to_string())
+}
+
+async fn reset(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
+    done(source().reset(&Key::new(key)).await)
+}
+
+async fn reset_rule(
+    State(source): State<Source>,
+    Path((key, rule)): Path<(String, String)>,
+) -> Response<Body> {
+    done(source().reset_rule(&Key::new(key), &rule).await)
+}
+
+/// `seconds=N` from the query: a whole number of seconds, at least 1.
+fn seconds(query: Option<&str>) -> Option<u64> {
+    query?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("seconds="))
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n >= 1)
+}
+
+async fn block(
+    State(source): State<Source>,
+    Path(key): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Response<Body> {
+    match seconds(query.as_deref()) {
+        Some(n) => done(source().block(&Key::new(key), Duration::from_secs(n)).await),
+        None => error(StatusCode::BAD_REQUEST, "seconds_required"),
+    }
+}
+
+async fn deny(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
+    done(source().deny(&Key::new(key)).await)
+}
+
+async fn allow(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
+    done(source().allow(&Key::new(key)).await)
+}
+
+async fn unblock(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
+    done(source().unblock(&Key::new(key)).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_are_whole_and_positive() {
+        assert_eq!(seconds(Some("seconds=30")), Some(30));
+        assert_eq!(seconds(Some("x=1&seconds=5")), Some(5));
+        for bad in [
+            None,
+            Some(""),
+            Some("seconds="),
+            Some("seconds=0"),
+            Some("seconds=-1"),
+            Some("seconds=1.5"),
+            Some("seconds=+3"),
+        ] {
+            assert_eq!(seconds(bad), None, "{bad:?}");
+        }
+    }
+}
