@@ -55,6 +55,7 @@ pub mod layer;
 mod limiter;
 pub mod outbound;
 mod quota;
+mod quota_cache;
 mod rule;
 pub mod store;
 
@@ -72,12 +73,14 @@ pub use layer::{
 pub(crate) use limiter::Target;
 pub use limiter::{
     BreakerConfig, InfallibleStore, KeyState, LeaseConfig, Limiter, LimiterBuilder, LimiterStats,
-    OnStoreError, PolicyUnset, Receipt, RuleState, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_MAX_AGE,
+    OnStoreError, Penalty, PolicyUnset, Receipt, RuleState, DEFAULT_DEADLINE,
+    DEFAULT_DENY_CACHE_MAX_AGE,
 };
 pub use quota::{
     Algorithm, Quota, QuotaBuilder, WindowEstimate, DEFAULT_MAX_LOG_LEN, DEFAULT_SUB_WINDOWS,
     MAX_HEADER_INTEGER, MAX_PERIOD, MAX_SUB_WINDOWS,
 };
+pub use quota_cache::QuotaCache;
 /// The redis-rs this crate was built with (1.x), so a [`RedisStore`] can be made from your own
 /// clients and connections without matching versions by hand.
 #[cfg(feature = "redis")]

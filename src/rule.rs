@@ -54,6 +54,14 @@ impl Rule {
     pub fn quota(&self) -> &Quota {
         &self.quota
     }
+
+    /// This rule (same name, so the same state) with another quota.
+    pub(crate) fn with_quota(&self, quota: Quota) -> Rule {
+        Rule {
+            name: self.name.clone(),
+            quota,
+        }
+    }
 }
 
 #[cfg(test)]

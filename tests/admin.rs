@@ -213,3 +213,79 @@ async fn a_blocked_key_takes_nothing_from_the_others_in_its_request() {
     })
     .await;
 }
+
+/// A key refused 3 times within 10 s is blocked for 2 minutes, then 4, on every instance,
+/// with a `Retry-After` that says so.
+#[tokio::test]
+async fn the_penalty_box_blocks_repeat_offenders_longer_each_time() {
+    use fleetlimit::Penalty;
+    each_backend(async |backend, clock, name| {
+        let penalty = Penalty::new(3, Duration::from_secs(10), Duration::from_secs(120));
+        let rule = || {
+            Rule::new(
+                "api",
+                Quota::per_minute(3)
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let build = async || match &backend {
+            Backend::Memory(store) => Limiter::builder(store.clone())
+                .rule(rule())
+                .penalty(penalty)
+                .clock(clock.clone())
+                .build()
+                .unwrap(),
+            Backend::Redis(server) => {
+                let store = RedisStore::builder()
+                    .clock(clock.clone())
+                    .connect(&server.url())
+                    .await
+                    .unwrap();
+                Limiter::builder(store)
+                    .rule(rule())
+                    .on_store_error(OnStoreError::fail_closed())
+                    .deadline(Duration::from_secs(2))
+                    .penalty(penalty)
+                    .clock(clock.clone())
+                    .build()
+                    .unwrap()
+            }
+        };
+        let (a, b) = (build().await, build().await);
+        let key = Key::new("hammer");
+        for (round, block) in [(0, 120), (1, 240)] {
+            assert_eq!(admitted(&a, &key, 3).await, 3, "{name} round {round}");
+            // Refused twice: only the rule's wait (to the end of the minute).
+            for _ in 0..2 {
+                let d = a.consume(&key, 1).await.unwrap();
+                assert!(d.retry_after.unwrap() <= Duration::from_secs(60), "{name}");
+            }
+            let third = a.consume(&key, 1).await.unwrap();
+            assert!(!third.allowed);
+            // The third refusal earned the block: every instance refuses for its length.
+            clock.advance(Duration::from_secs(1));
+            for limiter in [&a, &b] {
+                let d = limiter.consume(&key, 1).await.unwrap();
+                let wait = d.retry_after.unwrap();
+                assert!(
+                    wait > Duration::from_secs(block - 2) && wait <= Duration::from_secs(block),
+                    "{name} round {round} {}: {wait:?}",
+                    if std::ptr::eq(limiter, &a) { "a" } else { "b" }
+                );
+            }
+            assert!(matches!(
+                a.inspect(&key).await.unwrap().listing,
+                Some(Listing::Block(_))
+            ));
+            clock.advance(Duration::from_secs(block));
+        }
+        // Refusals of other keys are counted apart.
+        let other = Key::new("calm");
+        assert_eq!(admitted(&a, &other, 5).await, 3, "{name}");
+        assert_eq!(a.inspect(&other).await.unwrap().listing, None, "{name}");
+    })
+    .await;
+}

@@ -28,7 +28,11 @@ enum Backend {
 
 impl Backend {
     async fn limiter(&self, quota: Quota, clock: &ManualClock) -> Limiter {
-        let rule = Rule::new("api", quota).unwrap();
+        self.limiter_named("api", quota, clock).await
+    }
+
+    async fn limiter_named(&self, name: &str, quota: Quota, clock: &ManualClock) -> Limiter {
+        let rule = Rule::new(name, quota).unwrap();
         match self {
             Backend::Memory(store) => Limiter::builder(store.clone()).rule(rule).build().unwrap(),
             Backend::Redis(server) => {
@@ -186,4 +190,143 @@ async fn the_local_fallback_takes_its_share_of_the_new_quota() {
     let key = Key::new("outage");
     assert_eq!(admitted(&limiter, &key, 30).await, 20, "half of the new 40");
     assert!(limiter.stats().degraded_decisions >= 20);
+}
+
+mod per_request {
+    use super::*;
+    use axum::body::Body;
+    use axum::extract::Request;
+    use axum::http::StatusCode;
+    use axum::middleware::{self, Next};
+    use axum::{routing::get, Router};
+    use fleetlimit::layer::Scope;
+    use fleetlimit::{key, HeaderStyle, QuotaCache, RateLimitLayer};
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    use tower::ServiceExt;
+
+    fn per_minute(n: u64, algorithm: Algorithm) -> Quota {
+        Quota::per_minute(n).algorithm(algorithm).build().unwrap()
+    }
+
+    /// The plans "in the database", and how often they were read.
+    #[derive(Clone, Default)]
+    struct Plans {
+        table: Arc<Mutex<HashMap<String, Quota>>>,
+        reads: Arc<AtomicU64>,
+    }
+
+    /// An authentication layer that looks the tenant's plan up (cached, one load at a time)
+    /// and puts its quota in the request's extensions.
+    fn app(limiter: Limiter, plans: Plans, cache: QuotaCache<String>) -> Router {
+        let layer = RateLimitLayer::builder(limiter)
+            .key(key::header("x-tenant"))
+            .scope(
+                "plan",
+                Scope::new().quota(|parts| parts.extensions.get::<Quota>().cloned()),
+            )
+            .headers(HeaderStyle::Ietf)
+            .build()
+            .unwrap();
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer)
+            .layer(middleware::from_fn(move |mut req: Request, next: Next| {
+                let (plans, cache) = (plans.clone(), cache.clone());
+                async move {
+                    let tenant = req
+                        .headers()
+                        .get("x-tenant")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_owned();
+                    let quota = cache
+                        .get(&tenant, || async {
+                            plans.reads.fetch_add(1, Ordering::SeqCst);
+                            Ok::<_, ()>(plans.table.lock().unwrap().get(&tenant).cloned())
+                        })
+                        .await
+                        .unwrap_or(None);
+                    if let Some(q) = quota {
+                        req.extensions_mut().insert(q);
+                    }
+                    next.run(req).await
+                }
+            }))
+    }
+
+    async fn call(app: &Router, tenant: &str) -> axum::response::Response {
+        let req = axum::http::Request::get("/")
+            .header("x-tenant", tenant)
+            .body(Body::empty())
+            .unwrap();
+        app.clone().oneshot(req).await.unwrap()
+    }
+
+    async fn admitted(app: &Router, tenant: &str, tries: usize) -> usize {
+        let mut n = 0;
+        for _ in 0..tries {
+            n += usize::from(call(app, tenant).await.status() == StatusCode::OK);
+        }
+        n
+    }
+
+    /// Each tenant's plan, loaded once per tenant, decides its quota in the store; a per-key
+    /// override outranks it; a plan changed mid-window never admits more than the larger.
+    #[tokio::test]
+    async fn quotas_resolved_per_request_and_overridden_per_key() {
+        each_backend(async |backend, clock, name| {
+            let fw = Algorithm::FixedWindow;
+            let limiter = backend
+                .limiter_named("plan", per_minute(1, fw), &clock)
+                .await;
+            let plans = Plans::default();
+            plans.table.lock().unwrap().extend([
+                ("free".to_owned(), per_minute(2, fw)),
+                ("pro".to_owned(), per_minute(5, fw)),
+                ("odd".to_owned(), per_minute(50, Algorithm::Gcra)),
+            ]);
+            let cache = QuotaCache::new(100, Duration::from_secs(60)).unwrap();
+            let app = app(limiter.clone(), plans.clone(), cache.clone());
+            assert_eq!(admitted(&app, "free", 10).await, 2, "{name}");
+            assert_eq!(admitted(&app, "pro", 10).await, 5, "{name}");
+            let r = call(&app, "pro").await;
+            let policy = r.headers()["ratelimit-policy"].to_str().unwrap();
+            assert_eq!(policy, "\"plan\";q=5;w=60", "{name}: the resolved quota");
+            // A tenant without a plan gets the rule's own quota; a plan of another
+            // algorithm is ignored (with a warning) for the same reason.
+            assert_eq!(admitted(&app, "nobody", 5).await, 1, "{name}");
+            assert_eq!(admitted(&app, "odd", 5).await, 1, "{name}");
+            assert_eq!(
+                plans.reads.load(Ordering::SeqCst),
+                4,
+                "{name}: one read per tenant"
+            );
+            // An override for one key outranks its plan.
+            limiter
+                .set_override("plan", &Key::new("free"), Some(per_minute(4, fw)))
+                .unwrap();
+            assert_eq!(admitted(&app, "free", 10).await, 2, "{name}: 2 + 2 = 4");
+            limiter
+                .set_override("plan", &Key::new("free"), None)
+                .unwrap();
+            assert!(limiter
+                .set_override(
+                    "plan",
+                    &Key::new("free"),
+                    Some(per_minute(4, Algorithm::Gcra))
+                )
+                .is_err());
+            // The plan goes from free to pro mid-window: 5 in all, not 2 + 5.
+            plans
+                .table
+                .lock()
+                .unwrap()
+                .insert("free".to_owned(), per_minute(5, fw));
+            cache.invalidate(&"free".to_owned());
+            assert_eq!(admitted(&app, "free", 10).await, 1, "{name}: 4 taken of 5");
+        })
+        .await;
+    }
 }

@@ -143,7 +143,17 @@ impl Config {
                 (None, MissingKey::Reject) if scope.key.is_some() => return Plan::MissingKey,
                 (None, MissingKey::Reject) => return Plan::NoKey,
             };
-            targets.push(Target { rule: i, key, cost });
+            let resolved = scope
+                .quota
+                .as_ref()
+                .and_then(|quota| quota(parts))
+                .and_then(|q| self.limiter.resolved(i, q));
+            targets.push(Target {
+                rule: i,
+                key,
+                cost,
+                resolved,
+            });
         }
         if targets.is_empty() {
             Plan::Pass

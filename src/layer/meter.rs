@@ -36,6 +36,8 @@ struct Metered {
     index: usize,
     rule: usize,
     key: Key,
+    /// The quota resolved for the request, charged as read too.
+    resolved: Option<Box<crate::Rule>>,
     unit: u64,
     /// Bytes charged so far (up front and as read).
     paid: u64,
@@ -84,6 +86,7 @@ impl Meter {
             index,
             rule: target.rule,
             key: target.key.clone(),
+            resolved: target.resolved.clone(),
             unit,
             paid: target.cost.saturating_mul(unit),
             latest: None,
@@ -111,6 +114,7 @@ impl Meter {
                 rule: m.rule,
                 key: m.key.clone(),
                 cost: (read - m.paid).div_ceil(m.unit),
+                resolved: m.resolved.clone(),
             })
             .collect()
     }

@@ -13,6 +13,7 @@ use crate::key::KeyExtractor;
 
 type Predicate = Arc<dyn Fn(&Parts) -> bool + Send + Sync>;
 type RefundIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+type QuotaFn = Arc<dyn Fn(&Parts) -> Option<crate::Quota> + Send + Sync>;
 
 /// Where and how one rule of the limiter applies, set with
 /// [`RateLimitLayerBuilder::scope`](super::RateLimitLayerBuilder::scope). A rule without a scope
@@ -52,6 +53,8 @@ pub struct Scope {
     /// `None`: `Skip` for the scope's own key, the layer's setting for the layer's key.
     pub(crate) missing_key: Option<MissingKey>,
     pub(crate) cost: Option<CostFn>,
+    /// The quota for a request, when it has its own (a tenant's plan).
+    pub(crate) quota: Option<QuotaFn>,
     /// Charged by the body's bytes, in units of this many bytes (see [`Scope::cost_body`]).
     pub(crate) body_unit: Option<u64>,
     pub(crate) refund_if: Option<RefundIf>,
@@ -165,6 +168,7 @@ impl fmt::Debug for Scope {
             .field("key", &self.key.is_some())
             .field("missing_key", &self.missing_key)
             .field("cost", &self.cost.is_some())
+            .field("quota", &self.quota.is_some())
             .field("body_unit", &self.body_unit)
             .field("refund_if", &self.refund_if.is_some())
             .finish()
@@ -237,6 +241,37 @@ impl Scope {
     /// cost of 0 leaves the request out of this rule.
     pub fn cost(mut self, cost: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Scope {
         self.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// This rule's quota for a request, resolved from it: a tenant's plan that an
+    /// authentication layer put in the request's extensions (or a quota an async resolver such
+    /// as [`QuotaCache`](crate::QuotaCache) loaded there). `None` leaves the rule's own quota.
+    /// The quota travels with the decision into the store; calls for one key with different
+    /// quotas stay sound (the state is read under each call's quota, never admitting more than
+    /// the larger). It must keep the rule's algorithm (another is ignored, with a warning); a
+    /// per-key override ([`Limiter::set_override`](crate::Limiter::set_override)) outranks
+    /// it. Requests with a resolved quota are decided by the store one by one (no leased
+    /// blocks, no remembered denials).
+    ///
+    /// ```
+    /// use fleetlimit::layer::Scope;
+    /// use fleetlimit::Quota;
+    ///
+    /// #[derive(Clone)]
+    /// struct Plan { per_minute: u64 }
+    ///
+    /// let plans = Scope::new().quota(|parts| {
+    ///     let plan = parts.extensions.get::<Plan>()?;
+    ///     Quota::per_minute(plan.per_minute).build().ok()
+    /// });
+    /// # let _ = plans;
+    /// ```
+    pub fn quota(
+        mut self,
+        quota: impl Fn(&Parts) -> Option<crate::Quota> + Send + Sync + 'static,
+    ) -> Scope {
+        self.quota = Some(Arc::new(quota));
         self
     }
 

@@ -155,12 +155,13 @@ impl Verdict {
         if style != super::HeaderStyle::Ietf {
             return style.write(&[], &self.decisions, shown, headers);
         }
-        let rules = self.config.limiter.rules();
-        let applied: Vec<&Rule> = self
+        let limiter = &self.config.limiter;
+        let deciding: Vec<Rule> = self
             .targets
             .iter()
-            .filter_map(|t| rules.get(t.rule))
+            .filter_map(|t| limiter.rule_for(t))
             .collect();
+        let applied: Vec<&Rule> = deciding.iter().collect();
         style.write(&applied, &self.decisions, shown, headers);
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::breaker::Breakers;
 use super::denials::DenialCache;
 use super::leases::Leases;
+use super::penalty::{Penalties, Penalty};
 use super::policy::Policy;
 use super::{BreakerConfig, Inner, LeaseConfig, Limiter, OnStoreError};
 use crate::error::ConfigError;
@@ -20,6 +21,9 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
 
 /// Remembered denials kept by default for a store that can fail.
 const DEFAULT_DENY_CACHE: usize = 10_000;
+
+/// Keys the penalty box keeps a record of at once.
+const PENALTY_RECORDS: usize = 10_000;
 
 /// How long a remembered store denial is trusted by default: the bound within which every
 /// instance sees a reset, a lifted block, a raised quota or a Redis restarted empty.
@@ -48,6 +52,7 @@ pub struct LimiterBuilder<S, P = PolicyUnset> {
     deadline: Duration,
     breaker: BreakerConfig,
     clock: Arc<dyn Clock>,
+    penalty: Option<Penalty>,
     _policy: PhantomData<P>,
 }
 
@@ -73,6 +78,7 @@ impl Limiter {
             deadline: DEFAULT_DEADLINE,
             breaker: BreakerConfig::default(),
             clock: Arc::new(SystemClock),
+            penalty: None,
             _policy: PhantomData,
         }
     }
@@ -131,6 +137,12 @@ impl<S: Store, P> LimiterBuilder<S, P> {
         self
     }
 
+    /// Block keys that keep coming back while refused (the penalty box): see [`Penalty`].
+    pub fn penalty(mut self, penalty: Penalty) -> Self {
+        self.penalty = Some(penalty);
+        self
+    }
+
     /// The clock the breaker, the leases and a local fallback read (default: the system clock).
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
@@ -165,6 +177,9 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 reason: "needs at least one failure and a non-zero cool-down".into(),
             });
         }
+        if let Some(penalty) = &self.penalty {
+            penalty.validate()?;
+        }
         let policy = self
             .policy
             .map(|p| Policy::resolve(p, &self.rules, &self.clock))
@@ -198,6 +213,8 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 store: Arc::new(self.store),
                 rules: arc_swap::ArcSwap::from_pointee(self.rules),
                 changing: parking_lot::Mutex::new(()),
+                overrides: Default::default(),
+                penalties: self.penalty.map(|p| Penalties::new(p, PENALTY_RECORDS)),
                 policy,
                 deadline: self.deadline,
                 breakers: Breakers::new(domains, self.breaker),
@@ -222,6 +239,7 @@ impl<S: Store> LimiterBuilder<S, PolicyUnset> {
             deadline: self.deadline,
             breaker: self.breaker,
             clock: self.clock,
+            penalty: self.penalty,
             _policy: PhantomData,
         }
     }

@@ -6,6 +6,7 @@
 //! (hot keys spent from leased blocks), [`denials`] (remembered store denials) and [`rate`] (how
 //! often a key is seen). This file is the public API and the order in which they are asked.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +21,7 @@ mod denials;
 mod domains;
 mod lease_config;
 mod leases;
+mod penalty;
 mod policy;
 mod rate;
 pub(crate) mod waiting;
@@ -32,6 +34,8 @@ pub use builder::{
 use denials::DenialCache;
 pub use lease_config::LeaseConfig;
 use leases::Leases;
+use penalty::Penalties;
+pub use penalty::Penalty;
 pub use policy::OnStoreError;
 use policy::{Deadline, Policy};
 
@@ -152,6 +156,10 @@ struct Inner {
     rules: arc_swap::ArcSwap<Vec<Rule>>,
     /// Serialises quota changes (readers never wait).
     changing: parking_lot::Mutex<()>,
+    /// Quotas of single keys (see [`Limiter::set_override`]); empty for most limiters.
+    overrides: arc_swap::ArcSwap<Overrides>,
+    /// The penalty box, when configured.
+    penalties: Option<Penalties>,
     /// `None` for a store that cannot fail.
     policy: Option<Policy>,
     deadline: Duration,
@@ -180,6 +188,10 @@ pub(crate) struct Target {
     pub(crate) rule: usize,
     pub(crate) key: Key,
     pub(crate) cost: u64,
+    /// The rule with the quota resolved for this request (a tenant's plan), in place of the
+    /// rule's own; a per-key override ([`Limiter::set_override`]) outranks it.
+    /// Boxed: most requests have none, and targets are moved on the hot path.
+    pub(crate) resolved: Option<Box<Rule>>,
 }
 
 type Targets = [Target];
@@ -266,6 +278,91 @@ impl Limiter {
             denials.clear();
         }
         Ok(())
+    }
+
+    /// Give `key` its own quota under `rule` ("tenant 42 gets 10×"), in place of the rule's
+    /// and of any quota resolved per request; `None` removes it. Process-local configuration,
+    /// like the rules: give every instance the same overrides (from your configuration). The
+    /// state carries over as in [`set_quotas`](Limiter::set_quotas). The quota keeps the rule's
+    /// algorithm.
+    ///
+    /// ```
+    /// # use fleetlimit::{Key, Limiter, MemoryStore, Quota, Rule};
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let limiter = Limiter::builder(MemoryStore::new())
+    ///     .rule(Rule::new("api", Quota::per_minute(1).build()?)?)
+    ///     .build()?;
+    /// let big = Key::new("tenant-42");
+    /// limiter.set_override("api", &big, Some(Quota::per_minute(10).build()?))?;
+    /// for _ in 0..10 {
+    ///     assert!(limiter.consume(&big, 1).await?.allowed);
+    /// }
+    /// assert!(!limiter.consume(&big, 1).await?.allowed);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn set_override(
+        &self,
+        rule: &str,
+        key: &Key,
+        quota: Option<Quota>,
+    ) -> Result<(), ConfigError> {
+        let inner = &self.inner;
+        let _one_change_at_a_time = inner.changing.lock();
+        let rules = inner.rules.load();
+        let Some(index) = rules.iter().position(|r| r.name() == rule) else {
+            return Err(ConfigError::Invalid {
+                setting: "set_override",
+                reason: format!("the limiter has no rule named {rule:?}"),
+            });
+        };
+        let mut overrides: Overrides = inner.overrides.load().as_ref().clone();
+        match quota {
+            Some(quota) => {
+                let own = rules[index].quota().algorithm();
+                if quota.algorithm() != own {
+                    return Err(ConfigError::Invalid {
+                        setting: "set_override",
+                        reason: format!(
+                            "rule {rule:?} is {own}, the override {}: a key's state has one format",
+                            quota.algorithm()
+                        ),
+                    });
+                }
+                overrides.insert((index, key.clone()), rules[index].with_quota(quota));
+            }
+            None => {
+                overrides.remove(&(index, key.clone()));
+            }
+        }
+        inner.overrides.store(Arc::new(overrides));
+        if let Some(denials) = &inner.denials {
+            denials.forget(key);
+        }
+        Ok(())
+    }
+
+    /// `rule` (by index) with `quota` for one request, when the quota keeps the rule's
+    /// algorithm; `None` (logged) when it does not, and the rule's own quota decides.
+    pub(crate) fn resolved(&self, rule: usize, quota: Quota) -> Option<Box<Rule>> {
+        let rules = self.inner.rules.load();
+        let own = rules.get(rule)?;
+        if quota.algorithm() != own.quota().algorithm() {
+            tracing::warn!(
+                rule = own.name(),
+                "fleetlimit: a quota resolved for a request has another algorithm than its rule; the rule's own quota decides"
+            );
+            return None;
+        }
+        Some(Box::new(own.with_quota(quota)))
+    }
+
+    /// The rule that decides `target` now (its key's override, its resolved quota, or the
+    /// rule), for headers.
+    pub(crate) fn rule_for(&self, target: &Target) -> Option<Rule> {
+        let rules = self.inner.rules.load();
+        let overrides = self.inner.overrides.load();
+        Some(effective(rules.get(target.rule)?, &overrides, target).clone())
     }
 
     /// Take `cost` permits for `key` from every rule, or from none if any rule denies. Returns
@@ -449,6 +546,7 @@ impl Limiter {
                     rule: i,
                     key: (*key).clone(),
                     cost,
+                    resolved: None,
                 })
             })
             .collect::<Result<Vec<_>, Error>>()?;
@@ -464,7 +562,8 @@ impl Limiter {
         let listing = deadline.run(self.inner.store.listing(key)).await??;
         let targets = self.every_rule(key, 1);
         let rules = self.inner.rules.load_full();
-        let checks = checks(&rules, &targets)?;
+        let overrides = self.inner.overrides.load_full();
+        let checks = checks(&rules, &overrides, &targets)?;
         let decisions = deadline
             .run(self.inner.store.apply(Op::Peek, &checks))
             .await??;
@@ -581,21 +680,31 @@ impl Limiter {
         }
         let started = Instant::now();
         let rules = inner.rules.load();
+        let overrides = inner.overrides.load();
         let decisions: smallvec::SmallVec<[Decision; 2]> = match targets {
             [target] => {
                 let check = Check {
-                    rule: rules.get(target.rule)?,
+                    rule: effective(rules.get(target.rule)?, &overrides, target),
                     key: &target.key,
                     cost: target.cost,
                 };
                 smallvec::smallvec![inner.store.check_in_process(Op::Consume, &check)?]
             }
             _ => {
-                let checks = checks(&rules, targets).ok()?;
+                let checks = checks(&rules, &overrides, targets).ok()?;
                 inner.store.apply_in_process(Op::Consume, &checks)?.into()
             }
         };
         inner.trace(targets, &decisions, started);
+        for (key, block) in inner.earned(targets, &decisions) {
+            // An in-process store answers at once: no future to await on this path.
+            let mut listing = inner.store.set_listing(&key, Some(Listing::Block(block)));
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if listing.as_mut().poll(&mut cx).is_pending() {
+                tracing::warn!("fleetlimit: the penalty box could not block a key in process");
+            }
+            inner.penalised(&key, block);
+        }
         Some(decisions)
     }
 
@@ -624,9 +733,22 @@ impl Limiter {
         }
         let started = Instant::now();
         let rules = self.inner.rules.load_full();
-        let checks = checks(&rules, targets)?;
+        let overrides = self.inner.overrides.load_full();
+        let checks = checks(&rules, &overrides, targets)?;
         let decisions = self.inner.decide(op, &checks).await?;
         self.inner.trace(targets, &decisions, started);
+        if op == Op::Consume {
+            for (key, block) in self.inner.earned(targets, &decisions) {
+                match self.block(&key, block).await {
+                    Ok(()) => self.inner.penalised(&key, block),
+                    Err(error) => tracing::warn!(
+                        key = %key,
+                        %error,
+                        "fleetlimit: the penalty box could not block a key"
+                    ),
+                }
+            }
+        }
         Ok(decisions)
     }
 
@@ -636,6 +758,7 @@ impl Limiter {
                 rule,
                 key: key.clone(),
                 cost,
+                resolved: None,
             })
             .collect()
     }
@@ -687,8 +810,16 @@ impl Limiter {
     }
 }
 
-/// `targets` as store checks on `rules` (the rules in force when the decision began).
-fn checks<'a>(rules: &'a [Rule], targets: &'a Targets) -> Result<Vec<Check<'a>>, Error> {
+/// Quotas for single keys, by (rule index, key): see [`Limiter::set_override`].
+type Overrides = HashMap<(usize, Key), Rule>;
+
+/// `targets` as store checks on `rules` (the rules in force when the decision began): each
+/// with its key's override, else the quota resolved for the request, else the rule's own.
+fn checks<'a>(
+    rules: &'a [Rule],
+    overrides: &'a Overrides,
+    targets: &'a Targets,
+) -> Result<Vec<Check<'a>>, Error> {
     targets
         .iter()
         .map(|t| {
@@ -696,12 +827,22 @@ fn checks<'a>(rules: &'a [Rule], targets: &'a Targets) -> Result<Vec<Check<'a>>,
                 .get(t.rule)
                 .ok_or_else(|| Error::UnknownRule(format!("#{}", t.rule)))?;
             Ok(Check {
-                rule,
+                rule: effective(rule, overrides, t),
                 key: &t.key,
                 cost: t.cost,
             })
         })
         .collect()
+}
+
+/// The rule that decides `target`: its key's override, else its resolved quota, else `rule`.
+fn effective<'a>(rule: &'a Rule, overrides: &'a Overrides, target: &'a Target) -> &'a Rule {
+    if !overrides.is_empty() {
+        if let Some(o) = overrides.get(&(target.rule, target.key.clone())) {
+            return o;
+        }
+    }
+    target.resolved.as_deref().unwrap_or(rule)
 }
 
 /// The decision that governs: a denial over an admission, then the longer wait.
@@ -762,6 +903,32 @@ impl Inner {
             Some(policy) => policy.decide(op, checks),
             None => Policy::Open.decide(op, checks),
         }
+    }
+
+    /// Count this consume's store denials in the penalty box; the keys they got blocked, and
+    /// for how long.
+    fn earned(&self, targets: &Targets, decisions: &[Decision]) -> Vec<(Key, Duration)> {
+        let Some(penalties) = &self.penalties else {
+            return Vec::new();
+        };
+        let now = self.clock.now_us();
+        let mut earned: Vec<(Key, Duration)> = Vec::new();
+        let mut counted: Vec<&Key> = Vec::new();
+        for (t, d) in targets.iter().zip(decisions) {
+            // The outage policy's refusals and costs that never fit are not the client hammering.
+            if d.allowed || d.degraded || d.retry_after.is_none() || counted.contains(&&t.key) {
+                continue;
+            }
+            counted.push(&t.key);
+            if let Some(block) = penalties.denied(&t.key, now) {
+                earned.push((t.key.clone(), block));
+            }
+        }
+        earned
+    }
+
+    fn penalised(&self, key: &Key, block: Duration) {
+        tracing::info!(key = %key, ?block, "fleetlimit: the penalty box blocked a key");
     }
 
     /// One `debug` event per decision and rule, keys fingerprinted.

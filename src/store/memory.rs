@@ -87,11 +87,13 @@ enum Listed {
     Until(u64),
 }
 
-/// `d` turned into a refusal for `wait`, taking nothing.
+/// `d` turned into a refusal for at least `wait` (a rule's own longer wait stands), taking
+/// nothing.
 fn refused(mut d: Decision, wait: Duration) -> Decision {
+    let own = if d.allowed { None } else { d.retry_after };
     d.allowed = false;
     d.remaining = 0;
-    d.retry_after = Some(wait);
+    d.retry_after = Some(own.map_or(wait, |own| own.max(wait)));
     d.reset_after = d.reset_after.max(wait);
     d.taken = None;
     d

@@ -79,10 +79,11 @@ end
 local listing = {}
 for i = 1, nchecks do listing[i] = listed(i) end
 
+-- Refused for at least `wait` (a rule's own longer wait stands).
 local function refuse(d, wait)
   d[1] = 0
   d[3] = 0
-  d[5] = wait
+  if d[5] < wait then d[5] = wait end
   if d[4] < wait then d[4] = wait end
   return d
 end

@@ -1,0 +1,202 @@
+//! The penalty box: a key that keeps hammering a limit is blocked, each repeat longer.
+//!
+//! Denials are counted in this process (no store call per denial: the denial cache keeps
+//! floods off Redis, and counting them must not bring them back); the block itself is a
+//! fleet-wide listing ([`Limiter::block`](crate::Limiter::block)). So a client is blocked once
+//! any one instance has refused it `denials` times within `within`.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::error::ConfigError;
+use crate::Key;
+
+/// Blocks for keys that keep coming back while refused: denied `denials` times within `within`
+/// (by one instance), a key is blocked under every rule for `block`; each new block within
+/// `forgive_after` of the last one's end is twice as long, up to `max_block`. Set with
+/// [`LimiterBuilder::penalty`](crate::LimiterBuilder::penalty).
+///
+/// ```
+/// use std::time::Duration;
+/// use fleetlimit::Penalty;
+///
+/// // 20 refusals within a minute: blocked 1 minute, then 2, 4, ... at most an hour.
+/// let penalty = Penalty::new(20, Duration::from_secs(60), Duration::from_secs(60))
+///     .max_block(Duration::from_secs(3600));
+/// # let _ = penalty;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Penalty {
+    denials: u32,
+    within: Duration,
+    block: Duration,
+    max_block: Duration,
+    forgive_after: Duration,
+}
+
+impl Penalty {
+    /// Block for `block` a key denied `denials` times within `within`; repeats double, up to
+    /// 64 × `block` by default, forgiven after a day without a block.
+    pub fn new(denials: u32, within: Duration, block: Duration) -> Penalty {
+        Penalty {
+            denials,
+            within,
+            block,
+            max_block: block.saturating_mul(64),
+            forgive_after: Duration::from_secs(86_400),
+        }
+    }
+
+    /// The longest block (default 64 × the first).
+    pub fn max_block(mut self, max_block: Duration) -> Penalty {
+        self.max_block = max_block;
+        self
+    }
+
+    /// How long after a block ends a new one starts again from the first length (default a
+    /// day).
+    pub fn forgive_after(mut self, forgive_after: Duration) -> Penalty {
+        self.forgive_after = forgive_after;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.denials == 0
+            || self.within.is_zero()
+            || self.block.is_zero()
+            || self.max_block < self.block
+        {
+            return Err(ConfigError::Invalid {
+                setting: "penalty",
+                reason: "needs at least one denial, a non-zero period and block, and a max_block no shorter than the block".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A key's record.
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    window_start: u64,
+    denials: u32,
+    /// Blocks so far in the current run (0 before the first).
+    blocks: u32,
+    blocked_until: u64,
+}
+
+/// The keys with recent denials, bounded.
+pub(crate) struct Penalties {
+    config: Penalty,
+    records: Mutex<HashMap<Key, Record>>,
+    capacity: usize,
+}
+
+fn us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl Penalties {
+    pub(crate) fn new(config: Penalty, capacity: usize) -> Penalties {
+        Penalties {
+            config,
+            records: Mutex::new(HashMap::new()),
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// Count a denial of `key` at `now`; the block to impose, if this one earns it.
+    pub(crate) fn denied(&self, key: &Key, now: u64) -> Option<Duration> {
+        let c = &self.config;
+        let mut records = self.records.lock();
+        if !records.contains_key(key) && records.len() >= self.capacity {
+            // Forget the records that can no longer lead to a block or a longer one.
+            let forgotten = us(c.within).max(us(c.forgive_after));
+            records.retain(|_, r| {
+                now.saturating_sub(r.window_start) < forgotten || r.blocked_until > now
+            });
+            if records.len() >= self.capacity {
+                return None; // a flood of new keys: count them when there is room
+            }
+        }
+        let r = records.entry(key.clone()).or_insert(Record {
+            window_start: now,
+            denials: 0,
+            blocks: 0,
+            blocked_until: 0,
+        });
+        if now < r.blocked_until {
+            return None; // refused by its block: that is the penalty already
+        }
+        if now.saturating_sub(r.window_start) >= us(c.within) {
+            r.window_start = now;
+            r.denials = 0;
+        }
+        r.denials += 1;
+        if r.denials < c.denials {
+            return None;
+        }
+        if r.blocks > 0 && now.saturating_sub(r.blocked_until) >= us(c.forgive_after) {
+            r.blocks = 0;
+        }
+        let factor = 1u32.checked_shl(r.blocks.min(31)).unwrap_or(u32::MAX);
+        let block = c.block.saturating_mul(factor).min(c.max_block);
+        r.blocks = r.blocks.saturating_add(1);
+        r.blocked_until = now.saturating_add(us(block));
+        r.denials = 0;
+        r.window_start = r.blocked_until;
+        Some(block)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000;
+
+    #[test]
+    fn blocks_double_up_to_the_max_and_are_forgiven() {
+        let p = Penalties::new(
+            Penalty::new(3, Duration::from_secs(10), Duration::from_secs(60))
+                .max_block(Duration::from_secs(200))
+                .forgive_after(Duration::from_secs(1000)),
+            100,
+        );
+        let k = Key::new("k");
+        let mut now = 0;
+        let mut blocks = Vec::new();
+        for _ in 0..4 {
+            assert_eq!(p.denied(&k, now), None);
+            assert_eq!(p.denied(&k, now + S), None);
+            let block = p.denied(&k, now + 2 * S).unwrap();
+            // Refused while blocked: no new count.
+            assert_eq!(p.denied(&k, now + 3 * S), None);
+            blocks.push(block.as_secs());
+            now += 2 * S + block.as_secs() * S;
+        }
+        assert_eq!(blocks, [60, 120, 200, 200]);
+        // Denials spread wider than the period never add up.
+        let slow = Key::new("slow");
+        for i in 0..10 {
+            assert_eq!(p.denied(&slow, i * 11 * S), None);
+        }
+        // After the forgiveness period, the first length again.
+        now += 1000 * S;
+        p.denied(&k, now);
+        p.denied(&k, now);
+        assert_eq!(p.denied(&k, now), Some(Duration::from_secs(60)));
+    }
+
+    #[test]
+    fn invalid_penalties_are_rejected() {
+        let s = Duration::from_secs(1);
+        assert!(Penalty::new(0, s, s).validate().is_err());
+        assert!(Penalty::new(1, Duration::ZERO, s).validate().is_err());
+        assert!(Penalty::new(1, s, Duration::ZERO).validate().is_err());
+        assert!(Penalty::new(1, s, s * 2).max_block(s).validate().is_err());
+        assert!(Penalty::new(1, s, s).validate().is_ok());
+    }
+}
