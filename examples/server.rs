@@ -49,6 +49,7 @@ use arc_swap::ArcSwap;
 use axum::extract::{Path, Query};
 use axum::http::StatusCode;
 use axum::{routing::get, Router};
+use fleetlimit::config::RuleSet;
 use fleetlimit::key::{PeerIp, TrustedProxies};
 use fleetlimit::store::RedisStore;
 use fleetlimit::{
@@ -316,22 +317,26 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
 /// Everything the library would reject when the server starts, checked before: a bad quota,
 /// a lease on an algorithm that cannot be leased, a key bound the store refuses.
 fn validate(o: &Options) -> Result<(), String> {
-    let rules = load_rules(o)?;
+    let set = load_rules(o)?;
     let store = DemoStore::Memory(memory_store(o)?);
-    build_limiter(&store, &rules, o).map(|_| ())
+    let limiter = build_limiter(&store, &set.rules, o)?;
+    build_layer(limiter, &set, o).map(|_| ())
 }
 
-/// The rules: from `--rules FILE`, or the single rule of the command line.
-fn load_rules(o: &Options) -> Result<Vec<Rule>, String> {
+/// The rules (and their scopes): from `--rules FILE`, or the single rule of the command line.
+fn load_rules(o: &Options) -> Result<RuleSet, String> {
     match &o.rules_file {
         Some(path) => read_rules(path).map_err(|e| format!("--rules {}: {e}", path.display())),
-        None => Ok(vec![build_rule(o)?]),
+        None => Ok(RuleSet {
+            rules: vec![build_rule(o)?],
+            scopes: Vec::new(),
+        }),
     }
 }
 
-fn read_rules(path: &std::path::Path) -> Result<Vec<Rule>, String> {
+fn read_rules(path: &std::path::Path) -> Result<RuleSet, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
-    fleetlimit::config::rules_from_toml(&text).map_err(|e| e.to_string())
+    RuleSet::from_toml(&text).map_err(|e| e.to_string())
 }
 
 fn memory_store(o: &Options) -> Result<MemoryStore, String> {
@@ -482,7 +487,7 @@ fn build_limiter(store: &DemoStore, rules: &[Rule], o: &Options) -> Result<Limit
     .map_err(|e| e.to_string())
 }
 
-fn build_layer(limiter: Limiter, o: &Options) -> Result<RateLimitLayer, String> {
+fn build_layer(limiter: Limiter, set: &RuleSet, o: &Options) -> Result<RateLimitLayer, String> {
     let names: Vec<String> = limiter
         .rules()
         .iter()
@@ -503,6 +508,8 @@ fn build_layer(limiter: Limiter, o: &Options) -> Result<RateLimitLayer, String> 
             );
         }
     }
+    // A rule's scope in the file replaces the command line's for that rule.
+    let builder = set.scope(builder).map_err(|e| e.to_string())?;
     builder.build().map_err(|e| e.to_string())
 }
 
@@ -582,8 +589,8 @@ fn main() -> ExitCode {
         let started = async {
             let store = open_store(&options).await?;
             let rules = load_rules(&options)?;
-            let limiter = build_limiter(&store, &rules, &options)?;
-            let layer = build_layer(limiter.clone(), &options)?;
+            let limiter = build_limiter(&store, &rules.rules, &options)?;
+            let layer = build_layer(limiter.clone(), &rules, &options)?;
             Ok::<_, String>((store, rules, limiter, layer))
         };
         let (store, rules, limiter, layer) = match started.await {
@@ -595,7 +602,11 @@ fn main() -> ExitCode {
         };
         let (app, admin) = match &options.rules_file {
             Some(path) => {
-                let active = Arc::new(ArcSwap::from_pointee(Active { limiter, layer }));
+                let active = Arc::new(ArcSwap::from_pointee(Active {
+                    limiter,
+                    layer,
+                    scopes: rules.scopes.clone(),
+                }));
                 let reloader = Reloader {
                     store,
                     options: options.clone(),
@@ -711,6 +722,12 @@ async fn serve(port: u16, app: Router) -> std::io::Result<()> {
 struct Active {
     limiter: Limiter,
     layer: RateLimitLayer,
+    /// The scopes the layer was built with.
+    scopes: Vec<(String, fleetlimit::config::ScopeConfig)>,
+}
+
+fn running_scopes_differ(active: &ArcSwap<Active>, set: &RuleSet) -> bool {
+    active.load().scopes != set.scopes
 }
 
 /// A layer that applies whichever rate-limit layer is active at each request.
@@ -781,7 +798,7 @@ fn describe(q: &Quota) -> String {
 }
 
 impl Reloader {
-    async fn watch(self, path: std::path::PathBuf, mut running: Vec<Rule>) {
+    async fn watch(self, path: std::path::PathBuf, mut running: RuleSet) {
         let mut last = std::fs::read_to_string(&path).ok();
         loop {
             tokio::time::sleep(RULES_POLL).await;
@@ -798,7 +815,7 @@ impl Reloader {
                 continue;
             }
             last = Some(text.clone());
-            match fleetlimit::config::rules_from_toml(&text) {
+            match RuleSet::from_toml(&text) {
                 Err(e) => tracing::warn!(
                     path = %path.display(),
                     error = %e,
@@ -818,7 +835,8 @@ impl Reloader {
 
     /// Put `rules` in force: new quotas on the running limiter when only quotas changed, else
     /// a new limiter on the same store (so every rule keeps its state in the store).
-    fn put_in_force(&self, running: &[Rule], rules: &[Rule]) -> Result<(), String> {
+    fn put_in_force(&self, running: &RuleSet, set: &RuleSet) -> Result<(), String> {
+        let (running, rules) = (&running.rules, &set.rules);
         let same_shape = running.len() == rules.len()
             && running.iter().zip(rules).all(|(a, b)| {
                 a.name() == b.name() && a.quota().algorithm() == b.quota().algorithm()
@@ -830,7 +848,8 @@ impl Reloader {
                 (new.quota() != old.quota()).then_some((old, new))
             })
             .collect();
-        if same_shape {
+        let scopes_changed = running_scopes_differ(&self.active, set);
+        if same_shape && !scopes_changed {
             let quotas = changed
                 .iter()
                 .map(|(_, new)| (new.name(), new.quota().clone()));
@@ -841,8 +860,15 @@ impl Reloader {
                 .map_err(|e| e.to_string())?;
         } else {
             let limiter = build_limiter(&self.store, rules, &self.options)?;
-            let layer = build_layer(limiter.clone(), &self.options)?;
-            self.active.store(Arc::new(Active { limiter, layer }));
+            let layer = build_layer(limiter.clone(), set, &self.options)?;
+            self.active.store(Arc::new(Active {
+                limiter,
+                layer,
+                scopes: set.scopes.clone(),
+            }));
+        }
+        if scopes_changed {
+            tracing::info!("rules file: scopes changed");
         }
         for (old, new) in &changed {
             tracing::info!(
@@ -864,7 +890,7 @@ impl Reloader {
         {
             tracing::info!(rule = old.name(), "rules file: rule removed");
         }
-        if changed.is_empty() && same_shape {
+        if changed.is_empty() && same_shape && !scopes_changed {
             tracing::info!("rules file rewritten; no rule changed");
         }
         Ok(())

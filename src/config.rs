@@ -210,26 +210,228 @@ mod algorithm_name {
     }
 }
 
+/// Where and how a rule applies, as configuration: the declarative part of a
+/// [`Scope`](crate::layer::Scope) (a predicate or a cost function is code, not configuration).
+///
+/// ```toml
+/// [[rule]]
+/// name = "login"
+/// limit = 5
+/// period = "1m"
+/// scope = { methods = ["POST"], path = "/login", key = "peer", refund_status = "200-299" }
+/// ```
+///
+/// `key` is `"peer"` (the client address) or `"header:NAME"`; `missing_key` is `"reject"`,
+/// `"skip"` or `"shared"`; `cost` a fixed cost, `cost_body` a unit in bytes
+/// ([`Scope::cost_body`](crate::layer::Scope::cost_body)); `refund_status` statuses and ranges
+/// (`"200-299,304"`) whose responses give their permits back.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScopeConfig {
+    /// Methods the rule applies to (empty: all).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<String>,
+    /// The path, as [`Scope::path`](crate::layer::Scope::path) reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// `"peer"` or `"header:NAME"`; none: the layer's key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// `"reject"`, `"skip"` or `"shared"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub missing_key: Option<String>,
+    /// A fixed cost per request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<u64>,
+    /// Charge by body size, in units of this many bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_body: Option<u64>,
+    /// Statuses whose responses give their permits back (`"200-299,304"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refund_status: Option<String>,
+}
+
+impl ScopeConfig {
+    /// The scope this configuration describes; a clear error for any value it cannot use.
+    pub fn to_scope(&self) -> Result<crate::layer::Scope, ConfigError> {
+        use crate::layer::{MissingKey, Scope};
+        let invalid =
+            |setting: &'static str, reason: String| ConfigError::Invalid { setting, reason };
+        let mut scope = Scope::new();
+        for m in &self.methods {
+            let method = http::Method::from_bytes(m.to_ascii_uppercase().as_bytes())
+                .map_err(|_| invalid("scope.methods", format!("{m:?} is not an HTTP method")))?;
+            scope = scope.method(method);
+        }
+        if let Some(path) = &self.path {
+            if !path.starts_with('/') {
+                return Err(invalid(
+                    "scope.path",
+                    format!("{path:?} does not start with /"),
+                ));
+            }
+            scope = scope.path(path);
+        }
+        match self.key.as_deref() {
+            None => {}
+            Some("peer") => scope = scope.key(crate::key::PeerIp::default()),
+            Some(other) => match other.strip_prefix("header:") {
+                Some(name) => scope = scope.key(crate::key::HeaderKey::new(name)?),
+                None => {
+                    return Err(invalid(
+                        "scope.key",
+                        format!("{other:?}: expected \"peer\" or \"header:NAME\""),
+                    ))
+                }
+            },
+        }
+        let missing = match self.missing_key.as_deref() {
+            None => None,
+            Some("reject") => Some(MissingKey::Reject),
+            Some("skip") => Some(MissingKey::Skip),
+            Some("shared") => Some(MissingKey::Shared),
+            Some(other) => {
+                return Err(invalid(
+                    "scope.missing_key",
+                    format!("{other:?}: expected reject, skip or shared"),
+                ))
+            }
+        };
+        if let Some(missing) = missing {
+            scope = scope.on_missing_key(missing);
+        }
+        if let Some(cost) = self.cost {
+            scope = scope.cost(move |_| cost);
+        }
+        if let Some(unit) = self.cost_body {
+            if unit == 0 {
+                return Err(invalid("scope.cost_body", "a unit of 0 bytes".into()));
+            }
+            scope = scope.cost_body(unit);
+        }
+        if let Some(list) = &self.refund_status {
+            let ranges = statuses(list).ok_or_else(|| {
+                invalid(
+                    "scope.refund_status",
+                    format!("{list:?}: expected statuses and ranges such as 200-299,304"),
+                )
+            })?;
+            scope = scope.refund_if(move |s| ranges.iter().any(|r| r.contains(&s.as_u16())));
+        }
+        Ok(scope)
+    }
+}
+
+/// `"200-299,304"` as ranges of statuses (100 to 999).
+fn statuses(list: &str) -> Option<Vec<std::ops::RangeInclusive<u16>>> {
+    let status = |s: &str| {
+        let s = s.trim();
+        s.parse::<u16>()
+            .ok()
+            .filter(|n| (100..=999).contains(n) && s.bytes().all(|b| b.is_ascii_digit()))
+    };
+    list.split(',')
+        .map(|part| match part.split_once('-') {
+            Some((from, to)) => {
+                let (from, to) = (status(from)?, status(to)?);
+                (from <= to).then_some(from..=to)
+            }
+            None => status(part).map(|n| n..=n),
+        })
+        .collect()
+}
+
+/// A rules file as a layer reads it: the rules, and the scopes some of them carry.
+#[cfg(feature = "toml")]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RuleSet {
+    /// The rules, in the file's order.
+    pub rules: Vec<Rule>,
+    /// The scopes given in the file, by rule name.
+    pub scopes: Vec<(String, ScopeConfig)>,
+}
+
+#[cfg(feature = "toml")]
+impl RuleSet {
+    /// Read a rules file whose `[[rule]]` tables may carry a `scope` (see [`ScopeConfig`]).
+    /// Every scope is checked too: a file that loads builds a layer.
+    pub fn from_toml(text: &str) -> Result<RuleSet, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
+        let mut scopes = Vec::new();
+        if let Some(toml::Value::Array(rules)) = table.get_mut("rule") {
+            for fields in rules.iter_mut().filter_map(toml::Value::as_table_mut) {
+                let Some(scope) = fields.remove("scope") else {
+                    continue;
+                };
+                let name = fields
+                    .get("name")
+                    .and_then(toml::Value::as_str)
+                    .unwrap_or("")
+                    .to_owned();
+                let scope: ScopeConfig =
+                    scope
+                        .try_into()
+                        .map_err(|e: toml::de::Error| ConfigError::Invalid {
+                            setting: "rules file",
+                            reason: format!("rule {name:?}: scope: {}", e.message().trim_end()),
+                        })?;
+                scope.to_scope()?;
+                scopes.push((name, scope));
+            }
+        }
+        Ok(RuleSet {
+            rules: rules_from_table(table)?,
+            scopes,
+        })
+    }
+
+    /// Give `builder` this file's scopes.
+    pub fn scope(
+        &self,
+        mut builder: crate::layer::RateLimitLayerBuilder,
+    ) -> Result<crate::layer::RateLimitLayerBuilder, ConfigError> {
+        for (name, scope) in &self.scopes {
+            builder = builder.scope(name, scope.to_scope()?);
+        }
+        Ok(builder)
+    }
+}
+
+/// A TOML error in one line, for logs: where, then what.
+#[cfg(feature = "toml")]
+fn toml_error(text: &str, e: &toml::de::Error) -> ConfigError {
+    let line = e.span().map_or(0, |s| {
+        text[..s.start.min(text.len())].matches('\n').count() + 1
+    });
+    ConfigError::Invalid {
+        setting: "rules file",
+        reason: format!("line {line}: {}", e.message().trim_end()),
+    }
+}
+
 /// The rules of a rules file: `[[rule]]` tables (see the [module](self)), at least one, names
-/// unique. Errors name the line and the field.
+/// unique. Errors name the line and the field. A file with scopes is read by
+/// [`RuleSet::from_toml`].
 #[cfg(feature = "toml")]
 pub fn rules_from_toml(text: &str) -> Result<Vec<Rule>, ConfigError> {
+    let table: toml::Table = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
+    rules_from_table(table)
+}
+
+#[cfg(feature = "toml")]
+fn rules_from_table(table: toml::Table) -> Result<Vec<Rule>, ConfigError> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct File {
         #[serde(default)]
         rule: Vec<Rule>,
     }
-    let file: File = toml::from_str(text).map_err(|e| {
-        // One line, for logs: where, then what.
-        let line = e.span().map_or(0, |s| {
-            text[..s.start.min(text.len())].matches('\n').count() + 1
-        });
-        ConfigError::Invalid {
+    let file: File = toml::Value::Table(table)
+        .try_into()
+        .map_err(|e: toml::de::Error| ConfigError::Invalid {
             setting: "rules file",
-            reason: format!("line {line}: {}", e.message().trim_end()),
-        }
-    })?;
+            reason: e.message().trim_end().to_owned(),
+        })?;
     if file.rule.is_empty() {
         return Err(ConfigError::NoRules);
     }

@@ -330,3 +330,103 @@ mod per_request {
         .await;
     }
 }
+
+mod rules_files {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use axum::{routing::get, routing::post, Router};
+    use fleetlimit::config::RuleSet;
+    use fleetlimit::{key, Limiter, MemoryStore, RateLimitLayer};
+    use std::net::SocketAddr;
+    use tower::ServiceExt;
+
+    const FILE: &str = r#"
+[[rule]]
+name = "api"
+limit = 100
+period = "1m"
+
+[[rule]]
+name = "login"
+algorithm = "fixed-window"
+limit = 2
+period = "1m"
+scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "200-299" }
+"#;
+
+    async fn send(app: &Router, method: &str, path: &str, body: &'static str) -> StatusCode {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("x-api-key", "k")
+            .body(Body::from(body))
+            .unwrap();
+        req.extensions_mut()
+            .insert(SocketAddr::from(([192, 0, 2, 9], 1)));
+        app.clone().oneshot(req).await.unwrap().status()
+    }
+
+    /// A rules file's scopes build the layer they describe: failed logins per address, given
+    /// back on success, other routes untouched.
+    #[tokio::test]
+    async fn a_rules_file_with_scopes_builds_its_layer() {
+        let set = RuleSet::from_toml(FILE).unwrap();
+        assert_eq!(set.rules.len(), 2);
+        assert_eq!(set.scopes.len(), 1);
+        let limiter = set
+            .rules
+            .iter()
+            .cloned()
+            .fold(Limiter::builder(MemoryStore::new()), |b, r| b.rule(r))
+            .build()
+            .unwrap();
+        let layer = set
+            .scope(RateLimitLayer::builder(limiter).key(key::header("x-api-key")))
+            .unwrap()
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .route(
+                "/login",
+                post(|body: String| async move {
+                    if body == "right" {
+                        StatusCode::OK
+                    } else {
+                        StatusCode::UNAUTHORIZED
+                    }
+                }),
+            )
+            .layer(layer);
+        for _ in 0..5 {
+            assert_eq!(send(&app, "POST", "/login", "right").await, StatusCode::OK);
+        }
+        for _ in 0..2 {
+            assert_eq!(
+                send(&app, "POST", "/login", "wrong").await,
+                StatusCode::UNAUTHORIZED
+            );
+        }
+        assert_eq!(
+            send(&app, "POST", "/login", "right").await,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(send(&app, "GET", "/", "").await, StatusCode::OK);
+        // Scopes are checked when the file is read.
+        for (bad, says) in [
+            ("key = \"cookie\"", "peer"),
+            ("methods = [\"GE T\"]", "method"),
+            ("path = \"login\"", "start with /"),
+            ("refund_status = \"299-200\"", "refund_status"),
+            ("missing_key = \"maybe\"", "reject"),
+            ("cost_body = 0", "0 bytes"),
+            ("colour = \"red\"", "colour"),
+        ] {
+            let text = format!(
+                "[[rule]]\nname = \"a\"\nlimit = 1\nperiod = \"1s\"\nscope = {{ {bad} }}\n"
+            );
+            let err = RuleSet::from_toml(&text).unwrap_err().to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+}
