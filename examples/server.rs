@@ -12,6 +12,7 @@
 //!     [--redis-ca FILE]                         (with --store rediss://HOST:PORT)
 //!     [--rules FILE]                            (in place of --algorithm/--limit/--period/--burst)
 //!     [--admin-token TOKEN]                     (key administration at /admin)
+//!     [--concurrency N]                         (at most N requests in flight per key, fleet-wide)
 //! ```
 //!
 //! `--store` also takes `rediss://HOST:PORT` (TLS; `--redis-ca` names the CA to trust) and
@@ -35,6 +36,9 @@
 //! of `fleetlimit::admin` at `/admin` (`GET /admin/keys/{key}`, `DELETE /admin/keys/{key}`,
 //! `POST /admin/keys/{key}/block?seconds=N`, ...; `{key}` is the `x-api-key` value), answering
 //! 401 to any request without `Authorization: Bearer TOKEN`; they are not rate limited.
+//! `--concurrency N` adds a fleet-wide limit of N requests in flight per key (the rate limit's
+//! key; slots expire 5 s after a killed process stops renewing them), and `GET /inflight`
+//! answers how many requests this process has in its handlers (a plain integer, not limited).
 //! `--help` prints the usage;
 //! an invalid command line exits 2 with a message on stderr, a failure to start exits 1.
 
@@ -49,6 +53,7 @@ use arc_swap::ArcSwap;
 use axum::extract::{Path, Query};
 use axum::http::StatusCode;
 use axum::{routing::get, Router};
+use fleetlimit::concurrency::{ConcurrencyLimitLayer, ConcurrencyLimiter};
 use fleetlimit::config::RuleSet;
 use fleetlimit::key::{PeerIp, TrustedProxies};
 use fleetlimit::store::RedisStore;
@@ -65,7 +70,7 @@ redis-sentinel://HOST:PORT,.../MASTER] \
 [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK] \
 [--max-keys N] [--refund-status LIST (e.g. 500-599,429)] \
 [--trusted-proxies CIDR[,CIDR...] | --trusted-hops N] [--redis-ca FILE] [--rules FILE] \
-[--admin-token TOKEN]";
+[--admin-token TOKEN] [--concurrency N]";
 
 /// The longest `?sleep_ms=` the demo honours.
 const MAX_SLEEP_MS: u64 = 600_000;
@@ -89,6 +94,8 @@ struct Options {
     rules_file: Option<std::path::PathBuf>,
     /// `--admin-token TOKEN`: mount the admin endpoints at `/admin`, for this bearer token.
     admin_token: Option<String>,
+    /// `--concurrency N`: at most N requests in flight per key, across the fleet.
+    concurrency: Option<u64>,
 }
 
 /// What the command line asked for: run, or print the usage.
@@ -187,6 +194,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
         redis_ca: None,
         rules_file: None,
         admin_token: None,
+        concurrency: None,
     };
     let mut seen = HashSet::new();
     let mut args = args.peekable();
@@ -255,6 +263,17 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
             "--refund-status" => o.refund_status = parse_statuses(&value()?)?,
             "--redis-ca" => o.redis_ca = Some(value()?),
             "--rules" => o.rules_file = Some(value()?.into()),
+            "--concurrency" => {
+                let v = value()?;
+                match parse_number::<u64>("--concurrency", &v) {
+                    Ok(n) if n > 0 => o.concurrency = Some(n),
+                    _ => {
+                        return Err(format!(
+                            "--concurrency {v:?}: expected a whole number, at least 1"
+                        ))
+                    }
+                }
+            }
             "--admin-token" => {
                 let token = value()?;
                 let printable = token.bytes().all(|b| b.is_ascii_graphic());
@@ -600,6 +619,21 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        let concurrency = match options.concurrency {
+            Some(n) => match build_concurrency(&store, n, &options) {
+                Ok(layer) => Some(layer),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            },
+            None => None,
+        };
+        // In-flight requests are limited inside the rate limit: a refused request is refunded.
+        let routes = || match &concurrency {
+            Some(layer) => routes().layer(layer.clone()),
+            None => routes(),
+        };
         let (app, admin) = match &options.rules_file {
             Some(path) => {
                 let active = Arc::new(ArcSwap::from_pointee(Active {
@@ -618,6 +652,18 @@ fn main() -> ExitCode {
                 (routes().layer(Current(active)), admin)
             }
             None => (routes().layer(layer), fleetlimit::admin::router(limiter)),
+        };
+        let app = if concurrency.is_some() {
+            app.route(
+                "/inflight",
+                get(|| async {
+                    IN_HANDLERS
+                        .load(std::sync::atomic::Ordering::SeqCst)
+                        .to_string()
+                }),
+            )
+        } else {
+            app
         };
         let app = match &options.admin_token {
             // Not rate limited: it is how an operator lifts a limit.
@@ -672,7 +718,55 @@ struct Slow {
     sleep_ms: Option<u64>,
 }
 
+/// Requests in this process's handlers right now (`GET /inflight`).
+static IN_HANDLERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts a request as in a handler while it lives.
+struct InHandler;
+
+impl InHandler {
+    fn enter() -> InHandler {
+        IN_HANDLERS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InHandler
+    }
+}
+
+impl Drop for InHandler {
+    fn drop(&mut self) {
+        IN_HANDLERS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A fleet-wide limit on requests in flight per key (`--concurrency N`), keyed like the rate
+/// limit, with the same outage policy.
+fn build_concurrency(
+    store: &DemoStore,
+    limit: u64,
+    o: &Options,
+) -> Result<ConcurrencyLimitLayer, String> {
+    let policy = match o.on_store_error.as_deref() {
+        Some("closed") => OnStoreError::fail_closed(),
+        Some("local") => OnStoreError::LocalShare(1),
+        _ => OnStoreError::FailOpen,
+    };
+    let limiter = match store {
+        DemoStore::Memory(s) => {
+            ConcurrencyLimiter::builder(s.clone(), "demo-concurrency", limit).build()
+        }
+        DemoStore::Redis(s) => ConcurrencyLimiter::builder(s.clone(), "demo-concurrency", limit)
+            .on_store_error(policy)
+            .build(),
+    }
+    .map_err(|e| e.to_string())?;
+    let mut builder = ConcurrencyLimitLayer::builder(limiter).key(key::header("x-api-key"));
+    if let Some(trusted) = &o.trusted {
+        builder = builder.peer_ip(PeerIp::default().trust(trusted.clone()));
+    }
+    builder.build().map_err(|e| e.to_string())
+}
+
 async fn answer(status: StatusCode, slow: Slow) -> (StatusCode, &'static str) {
+    let _in_handler = InHandler::enter();
     match slow.sleep_ms {
         Some(ms) if ms > MAX_SLEEP_MS => (StatusCode::BAD_REQUEST, "sleep_ms is at most 600000"),
         Some(ms) => {

@@ -46,6 +46,7 @@
 pub mod admin;
 mod algorithm;
 mod clock;
+pub mod concurrency;
 #[cfg(feature = "serde")]
 pub mod config;
 mod decision;

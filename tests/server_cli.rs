@@ -659,3 +659,82 @@ fn without_an_admin_token_there_are_no_admin_endpoints() {
     );
     assert_eq!(status(&r), 404, "{r}");
 }
+
+/// A slow request in a background thread; its response is ignored (the server may be killed).
+fn slow_request(port: u16, key: &'static str) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+            let _ = write!(
+                s,
+                "GET /status/200?sleep_ms=20000 HTTP/1.1\r\nHost: x\r\nx-api-key: {key}\r\nConnection: close\r\n\r\n"
+            );
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+        }
+    })
+}
+
+fn inflight(port: u16) -> u64 {
+    body_of(&get_path(port, "/inflight", None))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Two demo servers share a concurrency limit of 2 on Redis; the one holding both slots is
+/// killed with SIGKILL mid-request: the other refuses until the slots expire (5 s), then serves.
+#[test]
+fn a_killed_instance_frees_its_concurrency_slots_within_the_expiry() {
+    let redis = support::redis::RedisServer::start();
+    let url = redis.url();
+    let args = [
+        "--port",
+        "0",
+        "--store",
+        url.as_str(),
+        "--on-store-error",
+        "closed",
+        "--concurrency",
+        "2",
+        "--limit",
+        "1000",
+    ];
+    let mut a = start(&args);
+    let b = start(&args);
+    let _slow: Vec<_> = (0..2).map(|_| slow_request(a.1, "shared")).collect();
+    let began = std::time::Instant::now();
+    while inflight(a.1) < 2 {
+        assert!(
+            began.elapsed() < Duration::from_secs(5),
+            "the slow requests never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Both slots are A's: B refuses the key, with the concurrency policy; other keys pass.
+    let refused = get(b.1, Some("shared"));
+    assert_eq!(status(&refused), 429, "{refused}");
+    assert!(
+        refused
+            .to_ascii_lowercase()
+            .contains("ratelimit-policy: \"demo-concurrency\";q=2;qu=\"concurrent-requests\""),
+        "{refused}"
+    );
+    assert_eq!(status(&get(b.1, Some("other"))), 200);
+    assert_eq!(inflight(b.1), 0);
+    // A dies without giving anything back.
+    a.0.kill().unwrap();
+    a.0.wait().unwrap();
+    let killed = std::time::Instant::now();
+    while status(&get(b.1, Some("shared"))) == 429 {
+        assert!(
+            killed.elapsed() < Duration::from_secs(7),
+            "the killed instance's slots did not expire"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        killed.elapsed() > Duration::from_secs(2),
+        "freed too early: the slots were not held in Redis"
+    );
+}

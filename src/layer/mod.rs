@@ -30,6 +30,35 @@ pub use service::RateLimitService;
 
 use crate::Decision;
 
+pub(crate) use response::is_grpc;
+pub(crate) use verdict::no_key;
+
+/// A refusal by another fleetlimit layer, the gRPC way, marked for the layers outside.
+pub(crate) fn grpc_refusal(
+    code: &'static str,
+    message: &'static str,
+) -> http::Response<bytes::Bytes> {
+    let mut r = response::grpc_status(code, message);
+    r.extensions_mut().insert(verdict::Refused);
+    r
+}
+
+/// A refusal by another fleetlimit layer, as JSON, marked for the layers outside.
+pub(crate) fn json_refusal(status: http::StatusCode, body: String) -> http::Response<bytes::Bytes> {
+    let mut r = response::json(status, "application/json", body);
+    r.extensions_mut().insert(verdict::Refused);
+    r
+}
+
+/// No decision could be made and the outage policy refuses.
+pub(crate) fn unavailable(grpc: bool, status: http::StatusCode) -> http::Response<bytes::Bytes> {
+    if grpc {
+        grpc_refusal("14", "rate limiter unavailable")
+    } else {
+        json_refusal(status, r#"{"error":"rate_limiter_unavailable"}"#.to_owned())
+    }
+}
+
 /// The rate-limit outcome of a request, put in the request's extensions (so handlers can read
 /// it), in a denial's, and, in shadow mode, in the response of a request that would have been
 /// denied (so outer middleware can log it).

@@ -19,7 +19,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
-use super::{BoxFuture, Check, Lease, Listing, Op, Refund, Store};
+use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
 use crate::algorithm::State;
 use crate::error::ConfigError;
 use crate::{Clock, Decision, Key, Quota, Rule, StoreError, SystemClock};
@@ -77,7 +77,12 @@ struct Inner {
     /// usual case) decides without looking.
     listings: Mutex<std::collections::HashMap<Key, Listed>>,
     listed: AtomicUsize,
+    /// Concurrency slots per (limit name, key).
+    slots: Mutex<SlotTable>,
 }
+
+/// Concurrency slots held per (limit name, key): each slot's id and when it expires (µs).
+type SlotTable = std::collections::HashMap<(Arc<str>, Key), Vec<(u64, u64)>>;
 
 /// A key's administrative entry, as held: blocks as the time they end (µs).
 #[derive(Debug, Clone, Copy)]
@@ -327,6 +332,7 @@ impl MemoryStoreBuilder {
                 pauses: Mutex::new(std::collections::HashMap::new()),
                 listings: Mutex::new(std::collections::HashMap::new()),
                 listed: AtomicUsize::new(0),
+                slots: Mutex::new(std::collections::HashMap::new()),
             }),
         }
     }
@@ -790,6 +796,51 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// [`Store::slots`], synchronously.
+    #[doc(hidden)]
+    pub fn slots_now(
+        &self,
+        op: SlotOp,
+        name: &str,
+        key: &Key,
+        slot: u64,
+        limit: u64,
+        ttl: Duration,
+    ) -> (bool, u64) {
+        let now = self.inner.clock.now_us();
+        let expiry = now.saturating_add(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+        let mut all = self.inner.slots.lock();
+        let id = (Arc::<str>::from(name), key.clone());
+        let held = all.entry(id.clone()).or_default();
+        held.retain(|(_, until)| *until > now);
+        let done = match op {
+            SlotOp::Acquire if (held.len() as u64) < limit => {
+                held.push((slot, expiry));
+                true
+            }
+            SlotOp::Acquire => false,
+            SlotOp::Renew => match held.iter_mut().find(|(s, _)| *s == slot) {
+                Some(entry) => {
+                    entry.1 = expiry;
+                    true
+                }
+                None => false,
+            },
+            SlotOp::Release => {
+                let before = held.len();
+                held.retain(|(s, _)| *s != slot);
+                held.len() < before
+            }
+        };
+        let count = held.len() as u64;
+        if held.is_empty() {
+            all.remove(&id);
+        }
+        (done, count)
+    }
+}
+
 /// What a request of cost 1 would get now, without taking anything.
 fn peek(state: &mut State, now: u64, quota: &crate::Quota) -> Decision {
     let mut d = state.decide(now, quota, 1);
@@ -881,6 +932,20 @@ impl Store for MemoryStore {
             Listed::Until(t) => Listing::Block(Duration::from_micros(t - now)),
         });
         Box::pin(std::future::ready(Ok(listing)))
+    }
+
+    fn slots<'a>(
+        &'a self,
+        op: SlotOp,
+        name: &'a str,
+        key: &'a Key,
+        slot: u64,
+        limit: u64,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(bool, u64), StoreError>> {
+        Box::pin(std::future::ready(Ok(
+            self.slots_now(op, name, key, slot, limit, ttl)
+        )))
     }
 
     fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>> {

@@ -89,6 +89,18 @@ pub enum Listing {
 /// back soon.
 pub const DENY_RETRY_AFTER: Duration = Duration::from_secs(86_400);
 
+/// What to do with a concurrency slot.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotOp {
+    /// Take a slot if fewer than the limit are held.
+    Acquire,
+    /// Extend a held slot's life; false if it expired meanwhile.
+    Renew,
+    /// Give a slot back.
+    Release,
+}
+
 pub(crate) mod sealed {
     /// Only this crate's stores implement [`Store`](super::Store): their state formats, receipts
     /// and scripts are held together by its tests.
@@ -173,6 +185,21 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
 
     /// Forget `rule`'s state for `key`: the key starts afresh under that rule.
     fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Slots of a concurrency limit (see [`concurrency`](crate::concurrency)): `op` on slot
+    /// `slot` of `key` under `name`, at most `limit` held at once, each living `ttl` unless
+    /// renewed. Returns whether the operation took effect (acquired, renewed, released) and the
+    /// slots held after it.
+    #[doc(hidden)]
+    fn slots<'a>(
+        &'a self,
+        op: SlotOp,
+        name: &'a str,
+        key: &'a Key,
+        slot: u64,
+        limit: u64,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(bool, u64), StoreError>>;
 
     /// How many parts of the store can fail independently (a cluster's slots). The limiter keeps
     /// a circuit breaker for each, so one dead node does not take the others' keys down with it.

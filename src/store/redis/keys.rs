@@ -37,6 +37,19 @@ pub(crate) fn listing_key(prefix: &str, key: &Key) -> Vec<u8> {
     out
 }
 
+/// `<prefix>{<key>}:slots:<name>`: the concurrency slots held for the key (same slot as its
+/// states); a state key never has a segment `slots` followed by the end.
+pub(crate) fn slots_key(prefix: &str, name: &str, key: &Key) -> Vec<u8> {
+    let key_bytes = key.as_bytes();
+    let mut out = Vec::with_capacity(prefix.len() + 3 * (key_bytes.len() + name.len()) + 10);
+    out.extend_from_slice(prefix.as_bytes());
+    out.push(b'{');
+    encode(key_bytes, &mut out);
+    out.extend_from_slice(b"}:slots:");
+    encode(name.as_bytes(), &mut out);
+    out
+}
+
 fn encode(bytes: &[u8], out: &mut Vec<u8>) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for &b in bytes {

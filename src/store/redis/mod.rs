@@ -21,7 +21,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, RedisError, Script};
 use tokio::sync::OnceCell;
 
-use super::{BoxFuture, Check, Lease, Listing, Op, Refund, Store};
+use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
 use crate::algorithm::us;
 use crate::error::{ConfigError, Error};
 use crate::{Algorithm, Clock, Decision, Key, Rule, StoreError, Taken};
@@ -29,7 +29,7 @@ use crate::{Algorithm, Clock, Decision, Key, Rule, StoreError, Taken};
 mod keys;
 
 pub use keys::slot;
-use keys::{listing_key, redis_key};
+use keys::{listing_key, redis_key, slots_key};
 
 /// The Redis key of `rule`'s state for `key` under the default prefix, as text (the encoding
 /// is ASCII), for tools such as `redis-cli`. A hook for benchmarks and audits.
@@ -53,6 +53,10 @@ const PER_DECISION: usize = 6;
 
 /// Reads and sets a key's listing (`listing.lua`); admin calls are rare, so it is sent whole.
 const LISTING_SCRIPT: &str = include_str!("listing.lua");
+
+/// Concurrency slots (`slots.lua`), sent whole with `EVAL` (one command on every kind of
+/// connection, cluster included).
+const SLOTS_SCRIPT: &str = include_str!("slots.lua");
 
 const SCRIPT: &str = concat!(
     include_str!("prelude.lua"),
@@ -1121,6 +1125,37 @@ impl Store for RedisStore {
 
     fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         Box::pin(self.inner.listing(key, "get", 0))
+    }
+
+    fn slots<'a>(
+        &'a self,
+        op: SlotOp,
+        name: &'a str,
+        key: &'a Key,
+        slot: u64,
+        limit: u64,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(bool, u64), StoreError>> {
+        Box::pin(async move {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(SLOTS_SCRIPT)
+                .arg(1)
+                .arg(slots_key(&self.inner.prefix, name, key))
+                .arg(match op {
+                    SlotOp::Acquire => "acquire",
+                    SlotOp::Renew => "renew",
+                    SlotOp::Release => "release",
+                });
+            match &self.inner.clock {
+                Some(clock) => cmd.arg(clock.now_us()),
+                None => cmd.arg(""),
+            };
+            cmd.arg(format!("{slot:016x}"))
+                .arg(limit)
+                .arg(ttl.as_micros().clamp(1, u128::from(u64::MAX / 4)) as u64);
+            let (done, held): (i64, i64) = self.inner.command(cmd).await?;
+            Ok((done == 1, u64::try_from(held).unwrap_or(0)))
+        })
     }
 
     fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>> {

@@ -1,0 +1,690 @@
+//! Concurrency limits across the fleet: how many requests of one key may be in flight at once
+//! ("20 requests in progress at a time"), whichever instance serves them.
+//!
+//! A request takes a **slot** when it starts and gives it back when its response body ends, or
+//! when the request is dropped or cancelled. Slots live in the store with an expiry that the
+//! holder renews while the request runs (every third of [`DEFAULT_SLOT_TTL`]), so the slots of a
+//! process killed mid-request free themselves within that time. On Redis a key's slots are one
+//! sorted set (`<prefix>{key}:slots:<name>`, scored by expiry), changed by one script call per
+//! acquire, renewal and release; the memory store has a twin.
+//!
+//! ```
+//! use axum::{routing::get, Router};
+//! use fleetlimit::concurrency::{ConcurrencyLimitLayer, ConcurrencyLimiter};
+//! use fleetlimit::{key, MemoryStore};
+//!
+//! let limiter = ConcurrencyLimiter::builder(MemoryStore::new(), "in-flight", 20).build()?;
+//! let app: Router = Router::new()
+//!     .route("/", get(|| async { "ok" }))
+//!     .layer(ConcurrencyLimitLayer::builder(limiter).key(key::header("x-api-key")).build()?);
+//! # let _ = app;
+//! # Ok::<(), fleetlimit::ConfigError>(())
+//! ```
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::key::{KeyExtractor, PeerIp};
+use crate::layer::ResponseBody;
+use crate::store::{SlotOp, Store};
+use crate::{
+    ConfigError, InfallibleStore, Key, MemoryStore, OnStoreError, PolicyUnset, StoreError,
+};
+
+/// How long a slot lives unless its holder renews it: the longest a killed process's slots
+/// stay taken.
+pub const DEFAULT_SLOT_TTL: Duration = Duration::from_secs(5);
+
+/// What [`ConcurrencyLimiter::acquire`] answers.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Acquired {
+    /// A slot, held until dropped.
+    Held(Slot),
+    /// Every slot is taken.
+    Full {
+        /// The limit.
+        limit: u64,
+        /// Slots held now.
+        in_flight: u64,
+    },
+    /// The store could not answer, and the outage policy refuses.
+    Unavailable {
+        /// When to try again.
+        retry_after: Duration,
+    },
+}
+
+/// What happens when the store cannot answer.
+enum Fallback {
+    Open,
+    Closed {
+        retry_after: Duration,
+    },
+    /// Slots in this process, `limit` of them per key.
+    Local {
+        store: MemoryStore,
+        limit: u64,
+    },
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    name: Arc<str>,
+    limit: u64,
+    ttl: Duration,
+    deadline: Duration,
+    /// `None` for a store that cannot fail.
+    fallback: Option<Fallback>,
+}
+
+/// A fleet-wide limit on requests in flight per key. Cheap to clone.
+#[derive(Clone)]
+pub struct ConcurrencyLimiter {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ConcurrencyLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConcurrencyLimiter")
+            .field("name", &self.inner.name)
+            .field("limit", &self.inner.limit)
+            .field("ttl", &self.inner.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builder for [`ConcurrencyLimiter`]. On a store that can fail, `build` exists once
+/// [`on_store_error`](ConcurrencyLimiterBuilder::on_store_error) is chosen: `FailOpen` admits
+/// without a slot, `FailClosed` refuses (503), `Local`/`LocalShare(n)` hold slots in this
+/// process (the limit divided by `n`).
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct ConcurrencyLimiterBuilder<S, P = PolicyUnset> {
+    store: S,
+    name: String,
+    limit: u64,
+    ttl: Duration,
+    deadline: Duration,
+    policy: Option<OnStoreError>,
+    _policy: PhantomData<P>,
+}
+
+impl ConcurrencyLimiter {
+    /// A limit of `limit` requests in flight per key, named `name` (it namespaces the slots in
+    /// the store and appears in headers).
+    pub fn builder<S: Store>(store: S, name: &str, limit: u64) -> ConcurrencyLimiterBuilder<S> {
+        ConcurrencyLimiterBuilder {
+            store,
+            name: name.to_owned(),
+            limit,
+            ttl: DEFAULT_SLOT_TTL,
+            deadline: crate::DEFAULT_DEADLINE,
+            policy: None,
+            _policy: PhantomData,
+        }
+    }
+
+    /// The limit's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The most requests in flight per key.
+    pub fn limit(&self) -> u64 {
+        self.inner.limit
+    }
+
+    /// Take a slot for `key` if fewer than the limit are held across the fleet.
+    pub async fn acquire(&self, key: &Key) -> Acquired {
+        let inner = &self.inner;
+        let id = slot_id();
+        let call = inner.store.slots(
+            SlotOp::Acquire,
+            &inner.name,
+            key,
+            id,
+            inner.limit,
+            inner.ttl,
+        );
+        let answer = match &inner.fallback {
+            None => call.await,
+            Some(_) => tokio::time::timeout(inner.deadline, call)
+                .await
+                .unwrap_or(Err(StoreError::Timeout(inner.deadline))),
+        };
+        match answer {
+            Ok((true, _)) => Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id)),
+            Ok((false, in_flight)) => Acquired::Full {
+                limit: inner.limit,
+                in_flight,
+            },
+            Err(error) => self.fallback(key, id, &error),
+        }
+    }
+
+    fn fallback(&self, key: &Key, id: u64, error: &StoreError) -> Acquired {
+        tracing::warn!(
+            name = %self.inner.name,
+            %error,
+            "fleetlimit: concurrency slots unavailable; the outage policy decides"
+        );
+        match &self.inner.fallback {
+            None | Some(Fallback::Open) => Acquired::Held(Slot::unheld()),
+            Some(Fallback::Closed { retry_after }) => Acquired::Unavailable {
+                retry_after: *retry_after,
+            },
+            Some(Fallback::Local { store, limit }) => {
+                let name = &self.inner.name;
+                let ttl = Duration::MAX / 4;
+                match store.slots_now(SlotOp::Acquire, name, key, id, *limit, ttl) {
+                    (true, _) => {
+                        Acquired::Held(Slot::local(store.clone(), name.clone(), key.clone(), id))
+                    }
+                    (false, in_flight) => Acquired::Full {
+                        limit: *limit,
+                        in_flight,
+                    },
+                }
+            }
+        }
+    }
+}
+
+impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
+    /// How long a slot lives unless renewed (default [`DEFAULT_SLOT_TTL`]); its holder renews
+    /// it every third of that.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The longest an acquisition waits for the store before the outage policy decides
+    /// (default [`DEFAULT_DEADLINE`](crate::DEFAULT_DEADLINE)).
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    fn build_inner(self) -> Result<ConcurrencyLimiter, ConfigError> {
+        let invalid = |reason: &str| ConfigError::Invalid {
+            setting: "concurrency limit",
+            reason: reason.to_owned(),
+        };
+        if self.limit == 0 {
+            return Err(ConfigError::ZeroLimit);
+        }
+        if self.ttl < Duration::from_millis(300) || self.deadline.is_zero() {
+            return Err(invalid(
+                "needs a slot ttl of at least 300 ms and a non-zero deadline",
+            ));
+        }
+        // The name appears in headers and keys: the rules' name syntax.
+        crate::Rule::new(&self.name, crate::Quota::per_second(1).build()?)?;
+        let fallback = match self.policy {
+            None => None,
+            Some(OnStoreError::FailOpen) => Some(Fallback::Open),
+            Some(OnStoreError::FailClosed { retry_after }) if !retry_after.is_zero() => {
+                Some(Fallback::Closed { retry_after })
+            }
+            Some(OnStoreError::FailClosed { .. }) => {
+                return Err(invalid("FailClosed needs a retry_after above zero"))
+            }
+            Some(OnStoreError::Local(quota)) => Some(Fallback::Local {
+                store: MemoryStore::new(),
+                limit: quota.limit(),
+            }),
+            Some(OnStoreError::LocalShare(0)) => {
+                return Err(invalid("LocalShare needs at least one server"))
+            }
+            Some(OnStoreError::LocalShare(n)) => Some(Fallback::Local {
+                store: MemoryStore::new(),
+                limit: (self.limit / n).max(1),
+            }),
+        };
+        Ok(ConcurrencyLimiter {
+            inner: Arc::new(Inner {
+                store: Arc::new(self.store),
+                name: self.name.into(),
+                limit: self.limit,
+                ttl: self.ttl,
+                deadline: self.deadline,
+                fallback,
+            }),
+        })
+    }
+}
+
+impl<S: Store> ConcurrencyLimiterBuilder<S, PolicyUnset> {
+    /// Choose what happens when the store cannot answer. Required for stores that can fail.
+    pub fn on_store_error(
+        self,
+        policy: OnStoreError,
+    ) -> ConcurrencyLimiterBuilder<S, OnStoreError> {
+        ConcurrencyLimiterBuilder {
+            store: self.store,
+            name: self.name,
+            limit: self.limit,
+            ttl: self.ttl,
+            deadline: self.deadline,
+            policy: Some(policy),
+            _policy: PhantomData,
+        }
+    }
+}
+
+impl<S: InfallibleStore> ConcurrencyLimiterBuilder<S, PolicyUnset> {
+    /// Validate and build.
+    pub fn build(self) -> Result<ConcurrencyLimiter, ConfigError> {
+        self.build_inner()
+    }
+}
+
+impl<S: Store> ConcurrencyLimiterBuilder<S, OnStoreError> {
+    /// Validate and build.
+    pub fn build(self) -> Result<ConcurrencyLimiter, ConfigError> {
+        self.build_inner()
+    }
+}
+
+/// A slot id no other holder draws while it lives (64 random bits, as the refunds' once keys).
+fn slot_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
+
+/// A slot held by a request in flight: renewed while it lives, given back when dropped.
+pub struct Slot {
+    held: Held,
+}
+
+enum Held {
+    /// In the store, renewed by a task.
+    Store {
+        limiter: Arc<Inner>,
+        key: Key,
+        id: u64,
+        renewal: Option<tokio::task::AbortHandle>,
+    },
+    /// In this process's fallback.
+    Local {
+        store: MemoryStore,
+        name: Arc<str>,
+        key: Key,
+        id: u64,
+    },
+    /// None (fail open).
+    Nothing,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.held {
+            Held::Store { .. } => "store",
+            Held::Local { .. } => "local",
+            Held::Nothing => "none",
+        };
+        f.debug_struct("Slot").field("held", &kind).finish()
+    }
+}
+
+impl Slot {
+    fn held(limiter: Arc<Inner>, key: Key, id: u64) -> Slot {
+        let renewal = tokio::runtime::Handle::try_current().ok().map(|runtime| {
+            let (limiter, key) = (limiter.clone(), key.clone());
+            runtime
+                .spawn(async move {
+                    let every = limiter.ttl / 3;
+                    loop {
+                        tokio::time::sleep(every).await;
+                        let renew = limiter.store.slots(
+                            SlotOp::Renew,
+                            &limiter.name,
+                            &key,
+                            id,
+                            limiter.limit,
+                            limiter.ttl,
+                        );
+                        match tokio::time::timeout(every, renew).await {
+                            Ok(Ok((true, _))) => {}
+                            Ok(Ok((false, _))) => {
+                                tracing::warn!(
+                                    name = %limiter.name,
+                                    "fleetlimit: a concurrency slot expired before it was renewed (the store was out longer than its ttl)"
+                                );
+                                return;
+                            }
+                            // Try again at the next renewal; the slot lives a whole ttl.
+                            _ => {}
+                        }
+                    }
+                })
+                .abort_handle()
+        });
+        Slot {
+            held: Held::Store {
+                limiter,
+                key,
+                id,
+                renewal,
+            },
+        }
+    }
+
+    fn local(store: MemoryStore, name: Arc<str>, key: Key, id: u64) -> Slot {
+        Slot {
+            held: Held::Local {
+                store,
+                name,
+                key,
+                id,
+            },
+        }
+    }
+
+    fn unheld() -> Slot {
+        Slot {
+            held: Held::Nothing,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        match std::mem::replace(&mut self.held, Held::Nothing) {
+            Held::Store {
+                limiter,
+                key,
+                id,
+                renewal,
+            } => {
+                if let Some(renewal) = renewal {
+                    renewal.abort();
+                }
+                let release = async move {
+                    let call = limiter.store.slots(
+                        SlotOp::Release,
+                        &limiter.name,
+                        &key,
+                        id,
+                        limiter.limit,
+                        limiter.ttl,
+                    );
+                    if let Err(error) = call.await {
+                        tracing::debug!(%error, "fleetlimit: a slot could not be given back; it expires by itself");
+                    }
+                };
+                match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        runtime.spawn(release);
+                    }
+                    Err(_) => tracing::debug!(
+                        "fleetlimit: a slot dropped outside a runtime expires by itself"
+                    ),
+                }
+            }
+            Held::Local {
+                store,
+                name,
+                key,
+                id,
+            } => {
+                store.slots_now(SlotOp::Release, &name, &key, id, 0, Duration::ZERO);
+            }
+            Held::Nothing => {}
+        }
+    }
+}
+
+/// Limits requests in flight per key with a [`ConcurrencyLimiter`]: the key comes from the
+/// extractor (else the peer address, as [`RateLimitLayer`](crate::RateLimitLayer) does); a
+/// request over the limit gets `429` (or the status you choose) with `Retry-After: 1` and
+/// `RateLimit-Policy: "<name>";q=<limit>;qu="concurrent-requests"`, gRPC calls
+/// `RESOURCE_EXHAUSTED`. The slot is held until the response body ends or is dropped.
+#[derive(Clone)]
+pub struct ConcurrencyLimitLayer {
+    config: Arc<LayerConfig>,
+}
+
+impl std::fmt::Debug for ConcurrencyLimitLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConcurrencyLimitLayer")
+            .field("limiter", &self.config.limiter)
+            .finish_non_exhaustive()
+    }
+}
+
+struct LayerConfig {
+    limiter: ConcurrencyLimiter,
+    key: Option<Arc<dyn KeyExtractor>>,
+    peer: PeerIp,
+    status: StatusCode,
+}
+
+/// Builder for [`ConcurrencyLimitLayer`].
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct ConcurrencyLimitLayerBuilder {
+    config: LayerConfig,
+}
+
+impl std::fmt::Debug for ConcurrencyLimitLayerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConcurrencyLimitLayerBuilder")
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConcurrencyLimitLayer {
+    /// Start building a layer for `limiter`.
+    pub fn builder(limiter: ConcurrencyLimiter) -> ConcurrencyLimitLayerBuilder {
+        ConcurrencyLimitLayerBuilder {
+            config: LayerConfig {
+                limiter,
+                key: None,
+                peer: PeerIp::default(),
+                status: StatusCode::TOO_MANY_REQUESTS,
+            },
+        }
+    }
+}
+
+impl ConcurrencyLimitLayerBuilder {
+    /// Where the key comes from (default: the peer address).
+    pub fn key(mut self, extractor: impl KeyExtractor) -> Self {
+        self.config.key = Some(Arc::new(extractor));
+        self
+    }
+
+    /// How the peer address is found (trusted proxies).
+    pub fn peer_ip(mut self, peer: PeerIp) -> Self {
+        self.config.peer = peer;
+        self
+    }
+
+    /// The status of a refusal (default 429; 503 for load shedding, say). Must be a 4xx or 5xx.
+    pub fn status(mut self, status: StatusCode) -> Self {
+        self.config.status = status;
+        self
+    }
+
+    /// Validate and build.
+    pub fn build(self) -> Result<ConcurrencyLimitLayer, ConfigError> {
+        let status = self.config.status;
+        if !status.is_client_error() && !status.is_server_error() {
+            return Err(ConfigError::Invalid {
+                setting: "ConcurrencyLimitLayer::status",
+                reason: format!("{status} is not an error status"),
+            });
+        }
+        if let Some(key) = &self.config.key {
+            key.check()?;
+        }
+        Ok(ConcurrencyLimitLayer {
+            config: Arc::new(self.config),
+        })
+    }
+}
+
+impl<S> Layer<S> for ConcurrencyLimitLayer {
+    type Service = ConcurrencyLimitService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ConcurrencyLimitService {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}
+
+/// The service made by [`ConcurrencyLimitLayer`].
+#[derive(Clone)]
+pub struct ConcurrencyLimitService<S> {
+    inner: S,
+    config: Arc<LayerConfig>,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for ConcurrencyLimitService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConcurrencyLimitService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The future of a [`ConcurrencyLimitService`] call.
+pub type ConcurrencyFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+
+impl<S, B, ResBody> Service<Request<B>> for ConcurrencyLimitService<S>
+where
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = Response<ResponseBody<SlotBody<ResBody>>>;
+    type Error = S::Error;
+    type Future = ConcurrencyFuture<Self::Response, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let (parts, body) = req.into_parts();
+        let config = self.config.clone();
+        let grpc = crate::layer::is_grpc(&parts.headers);
+        let key = config
+            .key
+            .as_ref()
+            .and_then(|k| k.extract(&parts))
+            .or_else(|| config.peer.extract(&parts));
+        let req = Request::from_parts(parts, body);
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        Box::pin(async move {
+            let Some(key) = key else {
+                return Ok(crate::layer::no_key(grpc).map(ResponseBody::full));
+            };
+            let slot = match config.limiter.acquire(&key).await {
+                Acquired::Held(slot) => slot,
+                Acquired::Full { limit, .. } => {
+                    return Ok(refusal(&config, limit, grpc).map(ResponseBody::full))
+                }
+                Acquired::Unavailable { retry_after } => {
+                    let mut r = crate::layer::unavailable(grpc, StatusCode::SERVICE_UNAVAILABLE);
+                    if let Ok(v) = HeaderValue::from_str(&retry_after.as_secs().max(1).to_string())
+                    {
+                        r.headers_mut().insert(http::header::RETRY_AFTER, v);
+                    }
+                    return Ok(r.map(ResponseBody::full));
+                }
+            };
+            let response = inner.call(req).await?;
+            Ok(response.map(|body| {
+                ResponseBody::inner(SlotBody {
+                    inner: body,
+                    slot: Some(slot),
+                })
+            }))
+        })
+    }
+}
+
+/// The refusal of a request over the limit.
+fn refusal(config: &LayerConfig, limit: u64, grpc: bool) -> Response<Bytes> {
+    let name = config.limiter.name();
+    let mut response = if grpc {
+        crate::layer::grpc_refusal("8", "too many concurrent requests")
+    } else {
+        crate::layer::json_refusal(
+            config.status,
+            format!(r#"{{"error":"too_many_concurrent_requests","limit":{limit}}}"#),
+        )
+    };
+    let headers = response.headers_mut();
+    headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    if let Ok(v) =
+        HeaderValue::from_str(&format!("\"{name}\";q={limit};qu=\"concurrent-requests\""))
+    {
+        headers.insert("ratelimit-policy", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";r=0")) {
+        headers.insert("ratelimit", v);
+    }
+    response
+}
+
+pin_project! {
+    /// A response body that holds its request's slot until it ends or is dropped.
+    pub struct SlotBody<B> {
+        #[pin]
+        inner: B,
+        slot: Option<Slot>,
+    }
+}
+
+impl<B> std::fmt::Debug for SlotBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotBody")
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Body> Body for SlotBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let this = self.project();
+        let frame = this.inner.poll_frame(cx);
+        if let Poll::Ready(None) = frame {
+            this.slot.take(); // the response is complete: the slot is free
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

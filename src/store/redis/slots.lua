@@ -1,0 +1,33 @@
+-- fleetlimit: slots of a concurrency limit, held by requests in flight across the fleet.
+--
+-- KEYS[1]: the sorted set of slots held for one key (member: slot id, score: its expiry in µs).
+-- ARGV[1]: 'acquire' | 'renew' | 'release'
+-- ARGV[2]: now in µs, or '' to read the server's clock (the fleet's one clock).
+-- ARGV[3]: the slot's id. ARGV[4]: the limit. ARGV[5]: how long a slot lives unless renewed (µs).
+-- A slot whose holder died (no renewal) expires by itself: expired slots are dropped first.
+-- Returns {1 if acquired / renewed / released, slots held after the call}.
+local now = tonumber(ARGV[2])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local op, id = ARGV[1], ARGV[3]
+local limit, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local held = redis.call('ZCARD', KEYS[1])
+local keep_ms = math.ceil(ttl / 1000) + 1000
+if op == 'acquire' then
+  if held >= limit then return { 0, held } end
+  redis.call('ZADD', KEYS[1], now + ttl, id)
+  redis.call('PEXPIRE', KEYS[1], keep_ms)
+  return { 1, held + 1 }
+elseif op == 'renew' then
+  if not redis.call('ZSCORE', KEYS[1], id) then return { 0, held } end
+  redis.call('ZADD', KEYS[1], now + ttl, id)
+  redis.call('PEXPIRE', KEYS[1], keep_ms)
+  return { 1, held }
+elseif op == 'release' then
+  local removed = redis.call('ZREM', KEYS[1], id)
+  return { removed, held - removed }
+end
+return redis.error_reply('fleetlimit: unknown slots operation ' .. tostring(op))

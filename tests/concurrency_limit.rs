@@ -1,0 +1,196 @@
+//! Fleet-wide concurrency limits: requests in flight per key, measured by the handlers, on the
+//! memory store and across two instances on a real redis-server; slots freed when requests end,
+//! are cancelled, or their process is killed.
+
+mod support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::{routing::get, Router};
+use fleetlimit::concurrency::{Acquired, ConcurrencyLimitLayer, ConcurrencyLimiter};
+use fleetlimit::store::RedisStore;
+use fleetlimit::{key, Key, MemoryStore, OnStoreError, RateLimitLayer};
+use http_body_util::BodyExt;
+use support::redis::RedisServer;
+use tower::ServiceExt;
+
+/// What the handlers saw: requests in them now, and the most at once.
+#[derive(Default)]
+struct Handlers {
+    now: AtomicU64,
+    most: AtomicU64,
+}
+
+fn app(limiter: ConcurrencyLimiter, seen: Arc<Handlers>) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(move || {
+                let seen = seen.clone();
+                async move {
+                    let n = seen.now.fetch_add(1, Ordering::SeqCst) + 1;
+                    seen.most.fetch_max(n, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                    seen.now.fetch_sub(1, Ordering::SeqCst);
+                    "ok"
+                }
+            }),
+        )
+        .layer(
+            ConcurrencyLimitLayer::builder(limiter)
+                .key(key::header("x-api-key"))
+                .build()
+                .unwrap(),
+        )
+}
+
+async fn send(app: Router) -> (StatusCode, axum::http::HeaderMap) {
+    let req = Request::get("/")
+        .header("x-api-key", "tenant")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.oneshot(req).await.unwrap();
+    let (parts, body) = response.into_parts();
+    body.collect().await.unwrap();
+    (parts.status, parts.headers)
+}
+
+/// Every slot of `limiter` for "tenant" is free again (released in the background: allowed a
+/// moment).
+async fn all_free(limiter: &ConcurrencyLimiter) {
+    let key = Key::new("tenant");
+    for _ in 0..100 {
+        let mut slots = Vec::new();
+        for _ in 0..limiter.limit() {
+            if let Acquired::Held(slot) = limiter.acquire(&key).await {
+                slots.push(slot);
+            }
+        }
+        if slots.len() as u64 == limiter.limit() {
+            return;
+        }
+        drop(slots);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("slots still held after every request ended");
+}
+
+/// Two instances, 20 concurrent slow requests on one key, a limit of 3.
+async fn fleet(a: ConcurrencyLimiter, b: ConcurrencyLimiter, name: &str) {
+    let seen = Arc::new(Handlers::default());
+    let apps = [app(a.clone(), seen.clone()), app(b, seen.clone())];
+    let requests: Vec<_> = (0..20)
+        .map(|i| tokio::spawn(send(apps[i % 2].clone())))
+        .collect();
+    let mut ok = 0;
+    for r in requests {
+        let (status, headers) = r.await.unwrap();
+        match status {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(headers["retry-after"], "1");
+                assert_eq!(
+                    headers["ratelimit-policy"],
+                    "\"in-flight\";q=3;qu=\"concurrent-requests\""
+                );
+            }
+            other => panic!("{name}: {other}"),
+        }
+    }
+    let most = seen.most.load(Ordering::SeqCst);
+    assert!(most <= 3, "{name}: {most} in flight at once");
+    assert!(ok >= 3, "{name}: {ok} served");
+    all_free(&a).await;
+}
+
+#[tokio::test]
+async fn never_more_than_the_limit_in_flight_across_two_instances() {
+    let store = MemoryStore::new();
+    let limiter = || {
+        ConcurrencyLimiter::builder(store.clone(), "in-flight", 3)
+            .build()
+            .unwrap()
+    };
+    fleet(limiter(), limiter(), "memory").await;
+
+    let server = RedisServer::start();
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::connect(&server.url()).await.unwrap();
+        instances.push(
+            ConcurrencyLimiter::builder(store, "in-flight", 3)
+                .on_store_error(OnStoreError::fail_closed())
+                .deadline(Duration::from_secs(2))
+                .build()
+                .unwrap(),
+        );
+    }
+    let b = instances.pop().unwrap();
+    let a = instances.pop().unwrap();
+    fleet(a, b, "redis").await;
+    // The probe's own slots are given back in the background too: allowed a moment.
+    let held = || {
+        server
+            .cmd(&["ZCARD", "fleetlimit:{tenant}:slots:in-flight"])
+            .unwrap()
+            .as_int()
+    };
+    for _ in 0..100 {
+        if held() == Some(0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(held(), Some(0), "no slot left in Redis");
+}
+
+/// A request dropped mid-way (the client went away) gives its slot back.
+#[tokio::test]
+async fn a_cancelled_request_frees_its_slot() {
+    let limiter = ConcurrencyLimiter::builder(MemoryStore::new(), "in-flight", 1)
+        .build()
+        .unwrap();
+    let seen = Arc::new(Handlers::default());
+    let slow = app(limiter.clone(), seen);
+    let request = tokio::spawn(send(slow.clone()));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(send(slow.clone()).await.0, StatusCode::TOO_MANY_REQUESTS);
+    request.abort();
+    let _ = request.await;
+    all_free(&limiter).await;
+}
+
+/// A refusal by the concurrency layer inside a rate-limit layer gives the rate permit back.
+#[tokio::test]
+async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
+    let store = MemoryStore::new();
+    let concurrency = ConcurrencyLimiter::builder(store.clone(), "in-flight", 1)
+        .build()
+        .unwrap();
+    let rate = fleetlimit::Limiter::builder(store)
+        .rule(
+            fleetlimit::Rule::new("api", fleetlimit::Quota::per_minute(10).build().unwrap())
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let seen = Arc::new(Handlers::default());
+    let app = app(concurrency, seen).layer(
+        RateLimitLayer::builder(rate.clone())
+            .key(key::header("x-api-key"))
+            .build()
+            .unwrap(),
+    );
+    let first = tokio::spawn(send(app.clone()));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for _ in 0..3 {
+        assert_eq!(send(app.clone()).await.0, StatusCode::TOO_MANY_REQUESTS);
+    }
+    assert_eq!(first.await.unwrap().0, StatusCode::OK);
+    let left = rate.peek(&Key::new("tenant")).await.unwrap().remaining;
+    assert_eq!(left, 9, "only the served request counted");
+}
