@@ -338,6 +338,9 @@ impl RateLimitLayerBuilder {
                 reason: format!("{status} is not a client error status"),
             });
         }
+        for settle in self.config.scopes.iter().filter_map(|s| s.settle.as_ref()) {
+            settle.check()?;
+        }
         if self.config.scopes.iter().any(|s| s.body_unit == Some(0)) {
             return Err(ConfigError::Invalid {
                 setting: "Scope::cost_body",

@@ -55,9 +55,69 @@ pub struct Scope {
     pub(crate) cost: Option<CostFn>,
     /// The quota for a request, when it has its own (a tenant's plan).
     pub(crate) quota: Option<QuotaFn>,
+    /// Where the real cost is found after the response (see [`Scope::settle`]).
+    pub(crate) settle: Option<Settle>,
     /// Charged by the body's bytes, in units of this many bytes (see [`Scope::cost_body`]).
     pub(crate) body_unit: Option<u64>,
     pub(crate) refund_if: Option<RefundIf>,
+}
+
+/// Where [`Scope::settle`] reads a request's real cost after the response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settle(SettleFrom);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum SettleFrom {
+    /// An invalid name is kept as its error, for the layer's builder to report.
+    Header(Result<http::HeaderName, crate::ConfigError>),
+    Extension,
+}
+
+/// The real cost of a request, put in the response's extensions by the handler for
+/// [`Settle::extension`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActualCost(pub u64);
+
+impl Settle {
+    /// From a response header holding a whole number (`x-tokens-used: 1234`). A response
+    /// without it, or with anything else in it, keeps its reservation. An invalid header name
+    /// is a [`ConfigError`](crate::ConfigError) when the layer is built.
+    pub fn header(name: &str) -> Settle {
+        let parsed =
+            http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()).map_err(|_| {
+                crate::ConfigError::Invalid {
+                    setting: "Settle::header",
+                    reason: format!("{name:?} is not a header name"),
+                }
+            });
+        Settle(SettleFrom::Header(parsed))
+    }
+
+    pub(crate) fn check(&self) -> Result<(), crate::ConfigError> {
+        match &self.0 {
+            SettleFrom::Header(Err(e)) => Err(e.clone()),
+            _ => Ok(()),
+        }
+    }
+
+    /// From the [`ActualCost`] response extension.
+    pub fn extension() -> Settle {
+        Settle(SettleFrom::Extension)
+    }
+
+    pub(crate) fn actual<B>(&self, response: &http::Response<B>) -> Option<u64> {
+        match &self.0 {
+            SettleFrom::Header(name) => response
+                .headers()
+                .get(name.as_ref().ok()?)?
+                .to_str()
+                .ok()
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))?
+                .parse()
+                .ok(),
+            SettleFrom::Extension => response.extensions().get::<ActualCost>().map(|c| c.0),
+        }
+    }
 }
 
 /// A path as a scope matches it.
@@ -169,6 +229,7 @@ impl fmt::Debug for Scope {
             .field("missing_key", &self.missing_key)
             .field("cost", &self.cost.is_some())
             .field("quota", &self.quota.is_some())
+            .field("settle", &self.settle)
             .field("body_unit", &self.body_unit)
             .field("refund_if", &self.refund_if.is_some())
             .finish()
@@ -272,6 +333,32 @@ impl Scope {
         quota: impl Fn(&Parts) -> Option<crate::Quota> + Send + Sync + 'static,
     ) -> Scope {
         self.quota = Some(Arc::new(quota));
+        self
+    }
+
+    /// Reserve, then settle: the cost charged before the request runs (the layer's or the
+    /// scope's cost function: an estimate, or better the most it can cost) is settled after
+    /// the response at the real cost, read from `settle` (a response header, or the
+    /// [`ActualCost`] extension the handler sets). What the reservation took beyond the real
+    /// cost is given back through its receipt (never creating a permit); a real cost above the
+    /// reservation is charged after the response if the budget holds it (else logged, never
+    /// passing the limit: reserve the most a request can cost for a hard budget). A response
+    /// without the real cost keeps the reservation, and a reservation never settled (the
+    /// process died) stays spent.
+    ///
+    /// ```
+    /// use fleetlimit::layer::{Scope, Settle};
+    ///
+    /// // LLM tokens: reserve the request's max_tokens, settle at the tokens generated.
+    /// let tokens = Scope::new()
+    ///     .cost(|parts| parts.headers.get("x-max-tokens")
+    ///         .and_then(|v| v.to_str().ok()?.parse().ok())
+    ///         .unwrap_or(1_000))
+    ///     .settle(Settle::header("x-tokens-used"));
+    /// # let _ = tokens;
+    /// ```
+    pub fn settle(mut self, settle: Settle) -> Scope {
+        self.settle = Some(settle);
         self
     }
 

@@ -194,7 +194,7 @@ impl Verdict {
             }
             self.governing = governing(&self.decisions);
         }
-        let refund = self.refund(refused_inside, response.status());
+        let refund = self.refund(refused_inside, response);
         let shown = merge(self.info(), inside);
         self.write_headers(&shown.decision, response.headers_mut());
         if self.would_deny || self.nested || inside.is_some() {
@@ -206,16 +206,19 @@ impl Verdict {
     /// Give back what was taken: everything when a layer inside refused the request, else the
     /// rules whose `refund_if` accepts `status`. The decisions then count the permits as there
     /// again.
-    fn refund(
+    fn refund<B>(
         &mut self,
         refused_inside: bool,
-        status: StatusCode,
+        response: &Response<B>,
     ) -> Option<BoxFuture<'static, ()>> {
+        let status = response.status();
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         if !self.governing.allowed || self.would_deny || !counted {
             return None; // nothing was taken from the shared budget
         }
         let mut refunds: Vec<(usize, Key, crate::Taken)> = Vec::new();
+        // Costs found above their reservation: charged after the response.
+        let mut extra: Vec<crate::Target> = Vec::new();
         let scopes = &self.config.scopes;
         for (index, (target, decision)) in self
             .targets
@@ -229,6 +232,10 @@ impl Verdict {
                     .as_ref()
                     .is_some_and(|refund| refund(status));
             if !refund {
+                let settle = scopes[target.rule].settle.as_ref();
+                if let Some(actual) = settle.and_then(|s| s.actual(response)) {
+                    settle_one(target, decision, actual, &mut refunds, &mut extra);
+                }
                 continue;
             }
             if let Some(taken) = decision.taken.take() {
@@ -248,16 +255,69 @@ impl Verdict {
                 }
             }
         }
-        if refunds.is_empty() {
+        if refunds.is_empty() && extra.is_empty() {
             return None;
         }
         self.governing = governing(&self.decisions);
         let limiter = self.config.limiter.clone();
         Some(Box::pin(async move {
-            if let Err(error) = limiter.refund_parts(&refunds).await {
-                tracing::warn!(%error, "fleetlimit: refund failed; the permits stay taken");
+            if !refunds.is_empty() {
+                if let Err(error) = limiter.refund_parts(&refunds).await {
+                    tracing::warn!(%error, "fleetlimit: refund failed; the permits stay taken");
+                }
+            }
+            if !extra.is_empty() {
+                charge_extra(&limiter, &extra).await;
             }
         }))
+    }
+}
+
+/// Settle `target` at its `actual` cost: give back what the reservation took beyond it, or
+/// queue the difference to be charged.
+fn settle_one(
+    target: &crate::Target,
+    decision: &mut Decision,
+    actual: u64,
+    refunds: &mut Vec<(usize, Key, crate::Taken)>,
+    extra: &mut Vec<crate::Target>,
+) {
+    let reserved = target.cost;
+    if actual < reserved {
+        if let Some(taken) = decision.taken {
+            let back = taken.part(reserved - actual);
+            decision.remaining = decision
+                .remaining
+                .saturating_add(back.cost())
+                .min(decision.limit);
+            refunds.push((target.rule, target.key.clone(), back));
+        }
+    } else if actual > reserved {
+        decision.remaining = decision.remaining.saturating_sub(actual - reserved);
+        extra.push(crate::Target {
+            rule: target.rule,
+            key: target.key.clone(),
+            cost: actual - reserved,
+            resolved: target.resolved.clone(),
+        });
+    }
+}
+
+/// Charge costs found above their reservations. A charge the budget cannot hold is not taken
+/// (nothing ever passes the limit): reserve the most a request can cost for a hard budget.
+async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
+    for target in extra {
+        let charged = limiter
+            .apply_indexed(crate::store::Op::Consume, std::slice::from_ref(target))
+            .await;
+        match charged {
+            Ok(d) if d.iter().all(|d| d.allowed) => {}
+            Ok(_) => tracing::warn!(
+                cost = target.cost,
+                "fleetlimit: a settled cost exceeded its reservation and the budget left; the difference was not charged"
+            ),
+            Err(error) => tracing::warn!(%error, "fleetlimit: a settled cost could not be charged"),
+        }
     }
 }
 

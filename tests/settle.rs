@@ -1,0 +1,142 @@
+//! Reserve, then settle: costs known only after the response.
+
+#[path = "../examples/llm_tokens.rs"]
+#[allow(dead_code)]
+mod llm_tokens;
+mod support;
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::{routing::get, Router};
+use fleetlimit::layer::{ActualCost, Scope, Settle};
+use fleetlimit::store::RedisStore;
+use fleetlimit::{
+    key, Algorithm, Key, Limiter, ManualClock, MemoryStore, OnStoreError, Quota, RateLimitLayer,
+    Rule,
+};
+use support::redis::RedisServer;
+use tower::ServiceExt;
+
+async fn complete(app: &Router, max_tokens: u64, prompt_len: usize) -> StatusCode {
+    let req = Request::post("/v1/completions")
+        .header("x-api-key", "tenant")
+        .header("x-max-tokens", max_tokens.to_string())
+        .body(Body::from("p".repeat(prompt_len)))
+        .unwrap();
+    app.clone().oneshot(req).await.unwrap().status()
+}
+
+/// A stream of requests reserving 300 tokens each and generating 3 to 300: the budget counts
+/// exactly the tokens generated, and never passes 10,000.
+#[tokio::test]
+async fn the_budget_counts_the_real_costs_and_is_never_passed() {
+    let (app, limiter) = llm_tokens::app(MemoryStore::new()).unwrap();
+    let tenant = Key::new("tenant");
+    let mut generated = 0;
+    let mut refused = 0;
+    for i in 0..200u64 {
+        let prompt = ((i * 37) % 100 + 1) as usize; // 1..=100 bytes: 3..=300 tokens
+        match complete(&app, 300, prompt).await {
+            StatusCode::OK => generated += (prompt as u64 * 3).min(300),
+            StatusCode::TOO_MANY_REQUESTS => refused += 1,
+            other => panic!("{other}"),
+        }
+        let left = limiter.peek(&tenant).await.unwrap().remaining;
+        assert_eq!(10_000 - left, generated, "request {i}: taken = generated");
+        assert!(generated <= 10_000);
+    }
+    assert!(refused > 0, "the budget ran out");
+    assert!(
+        generated > 10_000 - 300,
+        "{generated}: only the last reservation's room is unused"
+    );
+    // A request asking for more than the budget can ever hold is a 413 that takes nothing.
+    assert_eq!(
+        complete(&app, 20_000, 1).await,
+        StatusCode::PAYLOAD_TOO_LARGE
+    );
+}
+
+fn under_reserving(limiter: Limiter) -> Router {
+    // Reserves 10; the handler reports the real cost in the ActualCost extension.
+    Router::new()
+        .route(
+            "/",
+            get(|headers: axum::http::HeaderMap| async move {
+                let used: u64 = headers["x-used"].to_str().unwrap().parse().unwrap();
+                let mut response = axum::response::IntoResponse::into_response("ok");
+                response.extensions_mut().insert(ActualCost(used));
+                response
+            }),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter)
+                .key(key::header("x-api-key"))
+                .scope(
+                    "tokens",
+                    Scope::new().cost(|_| 10).settle(Settle::extension()),
+                )
+                .build()
+                .unwrap(),
+        )
+}
+
+async fn used(app: &Router, used: u64) -> StatusCode {
+    let req = Request::get("/")
+        .header("x-api-key", "tenant")
+        .header("x-used", used.to_string())
+        .body(Body::empty())
+        .unwrap();
+    app.clone().oneshot(req).await.unwrap().status()
+}
+
+/// A real cost above the reservation is charged after the response while the budget holds it,
+/// and never past it; on memory and on a real Redis.
+#[tokio::test]
+async fn costs_above_the_reservation_are_charged_within_the_budget() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(1_735_689_600_000_000);
+    let rule = || {
+        Rule::new(
+            "tokens",
+            Quota::per_minute(100)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let memory = Limiter::builder(MemoryStore::builder().clock(clock.clone()).build().unwrap())
+        .rule(rule())
+        .build()
+        .unwrap();
+    let store = RedisStore::builder()
+        .clock(clock.clone())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let redis = Limiter::builder(store)
+        .rule(rule())
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    for (name, limiter) in [("memory", memory), ("redis", redis)] {
+        let app = under_reserving(limiter.clone());
+        let tenant = Key::new("tenant");
+        let left = async || limiter.peek(&tenant).await.unwrap().remaining;
+        assert_eq!(used(&app, 30).await, StatusCode::OK);
+        assert_eq!(left().await, 70, "{name}: 10 reserved + 20 settled");
+        assert_eq!(used(&app, 4).await, StatusCode::OK);
+        assert_eq!(left().await, 66, "{name}: 6 of the 10 given back");
+        assert_eq!(used(&app, 56).await, StatusCode::OK);
+        assert_eq!(left().await, 10, "{name}");
+        // 90 more do not fit: the reservation stays, the difference is not charged, and the
+        // budget is never passed.
+        assert_eq!(used(&app, 100).await, StatusCode::OK);
+        assert_eq!(left().await, 0, "{name}");
+        assert_eq!(used(&app, 1).await, StatusCode::TOO_MANY_REQUESTS, "{name}");
+    }
+}
