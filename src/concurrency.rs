@@ -148,16 +148,17 @@ impl ConcurrencyLimiter {
 
     /// Take a slot for `key` if fewer than the limit are held across the fleet.
     pub async fn acquire(&self, key: &Key) -> Acquired {
+        self.acquire_within(key, self.inner.limit).await
+    }
+
+    /// Take a slot for `key` if fewer than `limit` are held (a share of the limit, for load
+    /// shedding by priority).
+    pub(crate) async fn acquire_within(&self, key: &Key, limit: u64) -> Acquired {
         let inner = &self.inner;
         let id = slot_id();
-        let call = inner.store.slots(
-            SlotOp::Acquire,
-            &inner.name,
-            key,
-            id,
-            inner.limit,
-            inner.ttl,
-        );
+        let call = inner
+            .store
+            .slots(SlotOp::Acquire, &inner.name, key, id, limit, inner.ttl);
         let answer = match &inner.fallback {
             None => call.await,
             Some(_) => tokio::time::timeout(inner.deadline, call)
@@ -166,10 +167,7 @@ impl ConcurrencyLimiter {
         };
         match answer {
             Ok((true, _)) => Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id)),
-            Ok((false, in_flight)) => Acquired::Full {
-                limit: inner.limit,
-                in_flight,
-            },
+            Ok((false, in_flight)) => Acquired::Full { limit, in_flight },
             Err(error) => self.fallback(key, id, &error),
         }
     }
@@ -661,6 +659,12 @@ impl<B> std::fmt::Debug for SlotBody<B> {
         f.debug_struct("SlotBody")
             .field("slot", &self.slot)
             .finish_non_exhaustive()
+    }
+}
+
+impl<B> SlotBody<B> {
+    pub(crate) fn new(inner: B, slot: Option<Slot>) -> SlotBody<B> {
+        SlotBody { inner, slot }
     }
 }
 

@@ -58,6 +58,7 @@ pub mod outbound;
 mod quota;
 mod quota_cache;
 mod rule;
+pub mod shed;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};

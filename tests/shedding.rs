@@ -1,0 +1,219 @@
+//! Priority load shedding under overload, on loopback: critical requests get through while best
+//! effort is shed, recovery is gradual; the fleet budget keeps a share for critical traffic.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::{routing::get, Router};
+use fleetlimit::concurrency::ConcurrencyLimiter;
+use fleetlimit::shed::{FleetUsage, LoadShedLayer, Priority, Shed, ShedReason, WorkerUtilisation};
+use fleetlimit::store::RedisStore;
+use fleetlimit::OnStoreError;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use support::redis::RedisServer;
+use tower::ServiceExt;
+
+fn classify(parts: &axum::http::request::Parts) -> Priority {
+    match parts.headers.get("x-priority").map(|v| v.as_bytes()) {
+        Some(b"critical") => Priority::Critical,
+        Some(b"normal") => Priority::Normal,
+        _ => Priority::BestEffort,
+    }
+}
+
+fn slow_app(handler_ms: u64) -> Router {
+    Router::new().route(
+        "/",
+        get(move || async move {
+            tokio::time::sleep(Duration::from_millis(handler_ms)).await;
+            "ok"
+        }),
+    )
+}
+
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    shed: AtomicU64,
+}
+
+/// 40 clients on loopback for 2 s against one worker with a target of 8 in flight: 4 send
+/// critical requests, 18 normal, 18 best effort.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn critical_requests_get_through_an_overload_and_recovery_is_gradual() {
+    let worker = WorkerUtilisation::new(8);
+    let app = slow_app(20).layer(
+        LoadShedLayer::builder(classify)
+            .worker(worker.clone())
+            .build()
+            .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let client: Client<_, Body> = Client::builder(TokioExecutor::new()).build_http();
+    let send = {
+        let client = client.clone();
+        move |priority: &'static str| {
+            let client = client.clone();
+            async move {
+                let req = Request::get(format!("http://{addr}/"))
+                    .header("x-priority", priority)
+                    .body(Body::empty())
+                    .unwrap();
+                let response = client.request(req).await.unwrap();
+                let status = response.status();
+                response.into_body().collect().await.unwrap();
+                status
+            }
+        }
+    };
+    let (critical, normal, best_effort) = (
+        Arc::new(Tally::default()),
+        Arc::new(Tally::default()),
+        Arc::new(Tally::default()),
+    );
+    let highest = Arc::new(AtomicU64::new(0));
+    let until = Instant::now() + Duration::from_secs(2);
+    let clients: Vec<_> = (0..40)
+        .map(|i| {
+            let send = send.clone();
+            let (tally, priority) = match i {
+                0..4 => (critical.clone(), "critical"),
+                4..22 => (normal.clone(), "normal"),
+                _ => (best_effort.clone(), "best-effort"),
+            };
+            let (worker, highest) = (worker.clone(), highest.clone());
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    match send(priority).await {
+                        StatusCode::OK => tally.ok.fetch_add(1, Ordering::Relaxed),
+                        StatusCode::SERVICE_UNAVAILABLE => {
+                            tally.shed.fetch_add(1, Ordering::Relaxed)
+                        }
+                        other => panic!("{other}"),
+                    };
+                    highest.fetch_max(u64::from(worker.level()), Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.await.unwrap();
+    }
+    let (c_ok, c_shed) = (
+        critical.ok.load(Ordering::Relaxed),
+        critical.shed.load(Ordering::Relaxed),
+    );
+    let (b_ok, b_shed) = (
+        best_effort.ok.load(Ordering::Relaxed),
+        best_effort.shed.load(Ordering::Relaxed),
+    );
+    assert!(
+        c_ok > 0 && c_ok * 100 >= (c_ok + c_shed) * 99,
+        "critical {c_ok} ok, {c_shed} shed"
+    );
+    assert!(b_shed > b_ok, "best effort: {b_ok} ok, {b_shed} shed");
+    let top = highest.load(Ordering::Relaxed);
+    assert!(
+        top >= 2,
+        "the worker shed best effort, then normal traffic: level {top}"
+    );
+    let n_shed = normal.shed.load(Ordering::Relaxed);
+    assert!(n_shed > 0, "normal traffic was shed too");
+
+    // The overload ends; a trickle of normal requests: the level steps down one a second (the
+    // first step's start is unseen: only the changes from then on are timed).
+    let mut levels = vec![(Instant::now(), worker.level())];
+    let calm = Instant::now();
+    while worker.level() > 0 {
+        assert!(
+            calm.elapsed() < Duration::from_secs(6),
+            "no recovery: {levels:?}"
+        );
+        send("normal").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let level = worker.level();
+        if level != levels.last().unwrap().1 {
+            levels.push((Instant::now(), level));
+        }
+    }
+    for pair in levels.windows(2) {
+        assert_eq!(pair[0].1, pair[1].1 + 1, "one level at a time: {levels:?}");
+    }
+    for pair in levels[1..].windows(2) {
+        assert!(
+            pair[1].0 - pair[0].0 >= Duration::from_millis(900),
+            "not a cliff: {levels:?}"
+        );
+    }
+    assert_eq!(send("best-effort").await, StatusCode::OK, "recovered");
+    server.abort();
+}
+
+/// Two instances share a fleet budget of 10 in flight on Redis: best effort fills at most half,
+/// and critical requests still get in.
+#[tokio::test]
+async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
+    let redis = RedisServer::start();
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::connect(&redis.url()).await.unwrap();
+        let slots = ConcurrencyLimiter::builder(store, "fleet", 10)
+            .on_store_error(OnStoreError::FailOpen)
+            .deadline(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        apps.push(
+            slow_app(400).layer(
+                LoadShedLayer::builder(classify)
+                    .fleet(FleetUsage::new(slots))
+                    .build()
+                    .unwrap(),
+            ),
+        );
+    }
+    let call = |app: Router, priority: &'static str| async move {
+        let req = Request::get("/")
+            .header("x-priority", priority)
+            .body(Body::empty())
+            .unwrap();
+        let response = app.oneshot(req).await.unwrap();
+        let shed = response.extensions().get::<Shed>().copied();
+        let status = response.status();
+        response.into_body().collect().await.unwrap();
+        (status, shed)
+    };
+    let best_effort: Vec<_> = (0..12)
+        .map(|i| tokio::spawn(call(apps[i % 2].clone(), "best-effort")))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let normal = tokio::spawn(call(apps[0].clone(), "normal"));
+    let critical = tokio::spawn(call(apps[1].clone(), "critical"));
+    let mut admitted = 0;
+    for r in best_effort {
+        match r.await.unwrap() {
+            (StatusCode::OK, None) => admitted += 1,
+            (StatusCode::SERVICE_UNAVAILABLE, Some(shed)) => {
+                assert_eq!(shed.reason, ShedReason::FleetUsage);
+                assert_eq!(shed.priority, Priority::BestEffort);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(admitted, 5, "best effort fills half the budget");
+    assert_eq!(normal.await.unwrap().0, StatusCode::OK, "normal: up to 70%");
+    assert_eq!(
+        critical.await.unwrap().0,
+        StatusCode::OK,
+        "critical: the rest"
+    );
+}
