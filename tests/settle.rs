@@ -140,3 +140,76 @@ async fn costs_above_the_reservation_are_charged_within_the_budget() {
         assert_eq!(used(&app, 1).await, StatusCode::TOO_MANY_REQUESTS, "{name}");
     }
 }
+
+/// A download quota in KiB: each request reserves 10 KiB, settled at the response body's size
+/// once it is sent.
+#[tokio::test]
+async fn downloads_are_settled_at_the_bytes_sent() {
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(
+            Rule::new(
+                "download-kib",
+                Quota::per_minute(100)
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|headers: axum::http::HeaderMap| async move {
+                let kib: usize = headers["x-kib"].to_str().unwrap().parse().unwrap();
+                vec![b'd'; kib * 1024]
+            }),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter.clone())
+                .key(key::header("x-api-key"))
+                .scope(
+                    "download-kib",
+                    Scope::new().cost(|_| 10).settle(Settle::body_bytes(1024)),
+                )
+                .build()
+                .unwrap(),
+        );
+    let tenant = Key::new("tenant");
+    let download = async |kib: usize, read: bool| {
+        let req = Request::get("/")
+            .header("x-api-key", "tenant")
+            .header("x-kib", kib.to_string())
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(req).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        if read {
+            use http_body_util::BodyExt;
+            response.into_body().collect().await.unwrap();
+        }
+    };
+    // The settlement runs in the background once the body is done: allowed a moment.
+    let settles_to = async |left: u64| {
+        for _ in 0..100 {
+            if limiter.peek(&tenant).await.unwrap().remaining == left {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("not settled to {left}");
+    };
+    download(3, true).await;
+    settles_to(97).await; // 10 reserved, 7 given back
+    download(25, true).await;
+    settles_to(72).await; // 10 reserved, 15 more charged
+                          // A response dropped unread: settled at what was sent (nothing).
+    download(4, false).await;
+    settles_to(72).await;
+    let err = RateLimitLayer::builder(limiter)
+        .scope("download-kib", Scope::new().settle(Settle::body_bytes(0)))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("0 bytes"), "{err}");
+}

@@ -1,7 +1,9 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
+
+use super::verdict::BodySettle;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -11,6 +13,8 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
+        // Rules settled at the body's size: counts the bytes, settles when dropped.
+        settle: Option<Box<BodySettle>>,
     }
 }
 
@@ -28,12 +32,22 @@ impl<B> ResponseBody<B> {
             kind: Kind::Full {
                 data: (!data.is_empty()).then_some(data),
             },
+            settle: None,
         }
     }
 
     pub(crate) fn inner(body: B) -> Self {
         ResponseBody {
             kind: Kind::Inner { body },
+            settle: None,
+        }
+    }
+
+    /// The service's body, counted for the rules settled at its size.
+    pub(crate) fn settled(body: B, settle: Option<BodySettle>) -> Self {
+        ResponseBody {
+            kind: Kind::Inner { body },
+            settle: settle.map(Box::new),
         }
     }
 }
@@ -62,8 +76,24 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
+        let this = self.project();
+        match this.kind.project() {
+            KindProj::Inner { body } => {
+                let frame = body.poll_frame(cx);
+                if let Some(settle) = this.settle.as_mut() {
+                    match &frame {
+                        Poll::Ready(Some(Ok(f))) => {
+                            if let Some(data) = f.data_ref() {
+                                settle.bytes = settle.bytes.saturating_add(data.remaining() as u64);
+                            }
+                        }
+                        // The body is complete (or failed): settle now.
+                        Poll::Ready(_) => drop(this.settle.take()),
+                        Poll::Pending => {}
+                    }
+                }
+                frame
+            }
             KindProj::Full { data } => {
                 Poll::Ready(data.take().map(|d| Ok(Frame::data(B::Data::from(d)))))
             }

@@ -184,7 +184,12 @@ where
                             refund,
                             response: Some(response),
                         }),
-                        None => return Poll::Ready(Ok(response.map(ResponseBody::inner))),
+                        None => {
+                            let settle = verdict.body_settle();
+                            return Poll::Ready(Ok(
+                                response.map(|b| ResponseBody::settled(b, settle))
+                            ));
+                        }
                     }
                 }
                 StateProj::Refunding { refund, response } => {
@@ -192,7 +197,8 @@ where
                     let response = response
                         .take()
                         .unwrap_or_else(|| panic!("ResponseFuture polled after completion"));
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    let settle = this.verdict.as_ref().and_then(Verdict::body_settle);
+                    return Poll::Ready(Ok(response.map(|b| ResponseBody::settled(b, settle))));
                 }
                 StateProj::Answered { response } => {
                     let response = response

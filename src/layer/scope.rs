@@ -71,6 +71,8 @@ enum SettleFrom {
     /// An invalid name is kept as its error, for the layer's builder to report.
     Header(Result<http::HeaderName, crate::ConfigError>),
     Extension,
+    /// The response body's size, in units of this many bytes.
+    BodyBytes(u64),
 }
 
 /// The real cost of a request, put in the response's extensions by the handler for
@@ -96,6 +98,10 @@ impl Settle {
     pub(crate) fn check(&self) -> Result<(), crate::ConfigError> {
         match &self.0 {
             SettleFrom::Header(Err(e)) => Err(e.clone()),
+            SettleFrom::BodyBytes(0) => Err(crate::ConfigError::Invalid {
+                setting: "Settle::body_bytes",
+                reason: "a unit of 0 bytes".into(),
+            }),
             _ => Ok(()),
         }
     }
@@ -103,6 +109,22 @@ impl Settle {
     /// From the [`ActualCost`] response extension.
     pub fn extension() -> Settle {
         Settle(SettleFrom::Extension)
+    }
+
+    /// From the response body's size: one permit per `unit_bytes` started (a download quota in
+    /// KiB: 1024), counted as the body is sent and settled when it ends (or when the client
+    /// goes away: at what was sent). The response's headers show the reservation. A unit of 0
+    /// is a [`ConfigError`](crate::ConfigError) when the layer is built.
+    pub fn body_bytes(unit_bytes: u64) -> Settle {
+        Settle(SettleFrom::BodyBytes(unit_bytes))
+    }
+
+    /// The unit, when the real cost is the response body's size.
+    pub(crate) fn body_unit(&self) -> Option<u64> {
+        match self.0 {
+            SettleFrom::BodyBytes(unit) => Some(unit),
+            _ => None,
+        }
     }
 
     pub(crate) fn actual<B>(&self, response: &http::Response<B>) -> Option<u64> {
@@ -116,6 +138,8 @@ impl Settle {
                 .parse()
                 .ok(),
             SettleFrom::Extension => response.extensions().get::<ActualCost>().map(|c| c.0),
+            // Known only once the body is sent: see `verdict::BodySettle`.
+            SettleFrom::BodyBytes(_) => None,
         }
     }
 }

@@ -203,6 +203,31 @@ impl Verdict {
         refund
     }
 
+    /// The rules of this response settled at its body's size, to count as it is sent.
+    pub(crate) fn body_settle(&self) -> Option<BodySettle> {
+        let counted = matches!(self.governing.source, Source::Store | Source::Lease);
+        if !self.governing.allowed || self.would_deny || !counted {
+            return None;
+        }
+        let scopes = &self.config.scopes;
+        let targets: Vec<(crate::Target, Option<crate::Taken>, u64)> = self
+            .targets
+            .iter()
+            .zip(self.decisions.iter())
+            .filter_map(|(target, decision)| {
+                let unit = scopes[target.rule].settle.as_ref()?.body_unit()?;
+                // Refunded already (refund_if, a refusal inside): nothing left to settle.
+                let taken = decision.taken?;
+                Some((target.clone(), Some(taken), unit))
+            })
+            .collect();
+        (!targets.is_empty()).then(|| BodySettle {
+            limiter: self.config.limiter.clone(),
+            targets,
+            bytes: 0,
+        })
+    }
+
     /// Give back what was taken: everything when a layer inside refused the request, else the
     /// rules whose `refund_if` accepts `status`. The decisions then count the permits as there
     /// again.
@@ -282,24 +307,85 @@ fn settle_one(
     refunds: &mut Vec<(usize, Key, crate::Taken)>,
     extra: &mut Vec<crate::Target>,
 ) {
+    let (back, more) = settlement(target, decision.taken, actual);
+    if let Some(back) = back {
+        decision.remaining = decision
+            .remaining
+            .saturating_add(back.2.cost())
+            .min(decision.limit);
+        refunds.push(back);
+    }
+    if let Some(more) = more {
+        decision.remaining = decision.remaining.saturating_sub(more.cost);
+        extra.push(more);
+    }
+}
+
+/// What settling `target` (reserved at `target.cost`, taken at `taken`) at `actual` means: a
+/// part of the receipt to give back, or a cost to charge.
+fn settlement(
+    target: &crate::Target,
+    taken: Option<crate::Taken>,
+    actual: u64,
+) -> (Option<(usize, Key, crate::Taken)>, Option<crate::Target>) {
     let reserved = target.cost;
     if actual < reserved {
-        if let Some(taken) = decision.taken {
-            let back = taken.part(reserved - actual);
-            decision.remaining = decision
-                .remaining
-                .saturating_add(back.cost())
-                .min(decision.limit);
-            refunds.push((target.rule, target.key.clone(), back));
-        }
+        let back = taken.map(|t| (target.rule, target.key.clone(), t.part(reserved - actual)));
+        (back, None)
     } else if actual > reserved {
-        decision.remaining = decision.remaining.saturating_sub(actual - reserved);
-        extra.push(crate::Target {
+        let more = crate::Target {
             rule: target.rule,
             key: target.key.clone(),
             cost: actual - reserved,
             resolved: target.resolved.clone(),
-        });
+        };
+        (None, Some(more))
+    } else {
+        (None, None)
+    }
+}
+
+/// Rules settled at the response body's size: counts the bytes sent, and settles when the
+/// body ends or is dropped (at what was sent).
+pub(crate) struct BodySettle {
+    limiter: crate::Limiter,
+    /// Each target with where its reservation was taken, and its unit.
+    targets: Vec<(crate::Target, Option<crate::Taken>, u64)>,
+    pub(crate) bytes: u64,
+}
+
+impl Drop for BodySettle {
+    fn drop(&mut self) {
+        let mut refunds = Vec::new();
+        let mut extra = Vec::new();
+        for (target, taken, unit) in &self.targets {
+            let actual = self.bytes.div_ceil((*unit).max(1));
+            let (back, more) = settlement(target, *taken, actual);
+            refunds.extend(back);
+            extra.extend(more);
+        }
+        if refunds.is_empty() && extra.is_empty() {
+            return;
+        }
+        let limiter = self.limiter.clone();
+        let settle = async move {
+            if !refunds.is_empty() {
+                if let Err(error) = limiter.refund_parts(&refunds).await {
+                    tracing::warn!(%error, "fleetlimit: refund failed; the permits stay taken");
+                }
+            }
+            if !extra.is_empty() {
+                charge_extra(&limiter, &extra).await;
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(settle);
+            }
+            Err(_) => tracing::warn!(
+                "fleetlimit: a response body ended outside a runtime; its reservation stays as taken"
+            ),
+        }
     }
 }
 
