@@ -13,6 +13,7 @@
 //!     [--rules FILE]                            (in place of --algorithm/--limit/--period/--burst)
 //!     [--admin-token TOKEN]                     (key administration at /admin)
 //!     [--concurrency N]                         (at most N requests in flight per key, fleet-wide)
+//!     [--metrics ADDR]                          (Prometheus text at http://ADDR/metrics)
 //! ```
 //!
 //! `--store` also takes `rediss://HOST:PORT` (TLS; `--redis-ca` names the CA to trust) and
@@ -39,6 +40,8 @@
 //! `--concurrency N` adds a fleet-wide limit of N requests in flight per key (the rate limit's
 //! key; slots expire 5 s after a killed process stops renewing them), and `GET /inflight`
 //! answers how many requests this process has in its handlers (a plain integer, not limited).
+//! `--metrics ADDR` serves the limiter's metrics (listed in the README's "Metrics") as
+//! Prometheus text at `http://ADDR/metrics`.
 //! `--help` prints the usage;
 //! an invalid command line exits 2 with a message on stderr, a failure to start exits 1.
 
@@ -70,7 +73,7 @@ redis-sentinel://HOST:PORT,.../MASTER] \
 [--headers draft6|ietf|legacy|none] [--lease auto|off|BLOCK] \
 [--max-keys N] [--refund-status LIST (e.g. 500-599,429)] \
 [--trusted-proxies CIDR[,CIDR...] | --trusted-hops N] [--redis-ca FILE] [--rules FILE] \
-[--admin-token TOKEN] [--concurrency N]";
+[--admin-token TOKEN] [--concurrency N] [--metrics ADDR]";
 
 /// The longest `?sleep_ms=` the demo honours.
 const MAX_SLEEP_MS: u64 = 600_000;
@@ -96,6 +99,8 @@ struct Options {
     admin_token: Option<String>,
     /// `--concurrency N`: at most N requests in flight per key, across the fleet.
     concurrency: Option<u64>,
+    /// `--metrics ADDR`: serve Prometheus text at `http://ADDR/metrics`.
+    metrics: Option<SocketAddr>,
 }
 
 /// What the command line asked for: run, or print the usage.
@@ -195,6 +200,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
         rules_file: None,
         admin_token: None,
         concurrency: None,
+        metrics: None,
     };
     let mut seen = HashSet::new();
     let mut args = args.peekable();
@@ -263,6 +269,12 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Command, String> {
             "--refund-status" => o.refund_status = parse_statuses(&value()?)?,
             "--redis-ca" => o.redis_ca = Some(value()?),
             "--rules" => o.rules_file = Some(value()?.into()),
+            "--metrics" => {
+                let v = value()?;
+                o.metrics = Some(v.parse().map_err(|_| {
+                    format!("--metrics {v:?}: expected an address such as 127.0.0.1:9090")
+                })?);
+            }
             "--concurrency" => {
                 let v = value()?;
                 match parse_number::<u64>("--concurrency", &v) {
@@ -605,6 +617,12 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
+        if let Some(addr) = options.metrics {
+            if let Err(e) = serve_metrics(addr).await {
+                eprintln!("error: --metrics {addr}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
         let started = async {
             let store = open_store(&options).await?;
             let rules = load_rules(&options)?;
@@ -716,6 +734,32 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[derive(Debug, serde::Deserialize)]
 struct Slow {
     sleep_ms: Option<u64>,
+}
+
+/// Install the Prometheus recorder and serve its text at `http://addr/metrics`.
+async fn serve_metrics(addr: SocketAddr) -> Result<(), String> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            upkeep.run_upkeep();
+        }
+    });
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let handle = handle.clone();
+            async move { handle.render() }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(())
 }
 
 /// Requests in this process's handlers right now (`GET /inflight`).

@@ -47,6 +47,12 @@ impl Verdict {
         let governing = governing(&decisions);
         let would_deny = !governing.allowed && config.shadow;
         if would_deny {
+            let rules = config.limiter.rules();
+            for (t, d) in targets.iter().zip(decisions.iter()) {
+                if let (false, Some(rule)) = (d.allowed, rules.get(t.rule)) {
+                    crate::limiter::telemetry::shadow_denied(rule);
+                }
+            }
             tracing::info!(
                 retry_after = ?governing.retry_after,
                 "fleetlimit: shadow mode let through a request it would deny"

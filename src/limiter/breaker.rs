@@ -201,6 +201,7 @@ impl Breakers {
         match result {
             Ok(value) => {
                 if breaker.success() == Transition::Closed {
+                    super::telemetry::breakers_open(self.open_at(now()));
                     tracing::info!(
                         rule,
                         domain,
@@ -214,6 +215,7 @@ impl Breakers {
                 match breaker.failure(now(), probe, &self.config) {
                     Transition::Opened => {
                         self.opened.fetch_add(1, Ordering::Relaxed);
+                        super::telemetry::breakers_open(self.open_at(now()));
                         tracing::warn!(
                             rule,
                             domain,

@@ -25,7 +25,7 @@ impl Inner {
         let groups = self.domain_groups(checks.iter().map(std::slice::from_ref));
         if groups.len() <= 1 {
             return match self
-                .call_store(checks, deadline, self.store.apply(op, checks))
+                .call_store("apply", checks, deadline, self.store.apply(op, checks))
                 .await
             {
                 Some(decisions) => {
@@ -44,7 +44,12 @@ impl Inner {
             let group: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
             let group_op = if denied { Op::Peek } else { op };
             let Some(decisions) = self
-                .call_store(&group, deadline, self.store.apply(group_op, &group))
+                .call_store(
+                    "apply",
+                    &group,
+                    deadline,
+                    self.store.apply(group_op, &group),
+                )
                 .await
             else {
                 self.compensate(checks, &mut out, &taken, deadline).await;
@@ -116,7 +121,7 @@ impl Inner {
             let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
             let group_checks: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
             all &= self
-                .call_store(&group_checks, deadline, self.store.refund(&group))
+                .call_store("refund", &group_checks, deadline, self.store.refund(&group))
                 .await
                 .is_some();
         }
@@ -140,14 +145,19 @@ impl Inner {
     /// decision's deadline. `None`: the store could not decide.
     pub(super) async fn call_store<T>(
         &self,
+        what: &'static str,
         checks: &[Check<'_>],
         deadline: Deadline,
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Option<T> {
         let domain = self.store.failure_domain(checks);
         let rule = checks.first().map_or("?", |c| c.rule.name());
-        self.breakers
+        let started = std::time::Instant::now();
+        let answer = self
+            .breakers
             .call(domain, rule, || self.clock.now_us(), deadline, call)
-            .await
+            .await;
+        super::telemetry::store_call(what, started.elapsed(), answer.is_none());
+        answer
     }
 }

@@ -271,6 +271,7 @@ impl Inner {
         self.leases.lease_calls.fetch_add(1, Ordering::Relaxed);
         let Some(lease) = self
             .call_store(
+                "lease",
                 std::slice::from_ref(check),
                 deadline,
                 self.store.lease(lease_check, config.max_validity),
@@ -279,6 +280,7 @@ impl Inner {
         else {
             return Ok(self.policy_decision(check));
         };
+        super::telemetry::lease_block(check.rule);
         let block = |permits: u64| Block {
             permits: AtomicU64::new(permits),
             deadline: started + lease.valid_for.as_micros() as u64,
@@ -309,7 +311,12 @@ impl Inner {
         let checks = std::slice::from_ref(check);
         let asked_at = self.clock.now_us();
         match self
-            .call_store(checks, deadline, self.store.apply(Op::Consume, checks))
+            .call_store(
+                "apply",
+                checks,
+                deadline,
+                self.store.apply(Op::Consume, checks),
+            )
             .await
             .and_then(|mut d| d.pop())
         {
@@ -350,7 +357,9 @@ impl Inner {
         let given = self
             .give_back(&refund, Deadline::after(self.deadline))
             .await;
-        if !given {
+        if given {
+            super::telemetry::lease_returned(rule, taken.cost());
+        } else {
             tracing::debug!(
                 rule = rule.name(),
                 "fleetlimit: could not give leased permits back; they return when the window ends or the bucket refills"

@@ -24,6 +24,7 @@ mod leases;
 mod penalty;
 mod policy;
 mod rate;
+pub(crate) mod telemetry;
 pub(crate) mod waiting;
 
 pub use breaker::BreakerConfig;
@@ -696,6 +697,7 @@ impl Limiter {
             }
         };
         inner.trace(targets, &decisions, started);
+        inner.record(targets, &decisions, &rules);
         for (key, block) in inner.earned(targets, &decisions) {
             // An in-process store answers at once: no future to await on this path.
             let mut listing = inner.store.set_listing(&key, Some(Listing::Block(block)));
@@ -738,6 +740,7 @@ impl Limiter {
         let decisions = self.inner.decide(op, &checks).await?;
         self.inner.trace(targets, &decisions, started);
         if op == Op::Consume {
+            self.inner.record(targets, &decisions, &rules);
             for (key, block) in self.inner.earned(targets, &decisions) {
                 match self.block(&key, block).await {
                     Ok(()) => self.inner.penalised(&key, block),
@@ -902,6 +905,15 @@ impl Inner {
         match &self.policy {
             Some(policy) => policy.decide(op, checks),
             None => Policy::Open.decide(op, checks),
+        }
+    }
+
+    /// Report a consume's decisions through the metrics facade.
+    fn record(&self, targets: &Targets, decisions: &[Decision], rules: &[Rule]) {
+        for (t, d) in targets.iter().zip(decisions) {
+            if let Some(rule) = rules.get(t.rule) {
+                telemetry::decision(rule, d);
+            }
         }
     }
 

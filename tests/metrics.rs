@@ -1,0 +1,192 @@
+//! The metrics the limiter reports, scraped as Prometheus text: exact counts for a known
+//! traffic pattern, and a number of series that does not grow with the number of keys.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::{routing::get, Router};
+use fleetlimit::store::RedisStore;
+use fleetlimit::{
+    key, Algorithm, Key, Limiter, MemoryStore, OnStoreError, Quota, RateLimitLayer, Rule,
+};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use support::redis::RedisServer;
+use tower::ServiceExt;
+
+/// One recorder for the whole test binary (tests use rule names of their own).
+fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| PrometheusBuilder::new().install_recorder().unwrap())
+}
+
+/// `metric{labels} value` lines of the scrape, by metric name and sorted labels.
+fn scrape() -> HashMap<(String, Vec<(String, String)>), f64> {
+    let mut series = HashMap::new();
+    for line in prometheus().render().lines() {
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let Some((head, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let (name, labels) = match head.split_once('{') {
+            Some((name, rest)) => (name, rest.trim_end_matches('}')),
+            None => (head, ""),
+        };
+        let mut labels: Vec<(String, String)> = labels
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.trim_matches('"').to_owned()))
+            .collect();
+        labels.sort();
+        series.insert((name.to_owned(), labels), value.parse().unwrap_or(f64::NAN));
+    }
+    series
+}
+
+fn count(metric: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut labels: Vec<(String, String)> = labels
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    labels.sort();
+    scrape()
+        .get(&(metric.to_owned(), labels))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+fn decisions(rule: &str, outcome: &str) -> f64 {
+    count(
+        "fleetlimit_decisions_total",
+        &[("rule", rule), ("outcome", outcome)],
+    )
+}
+
+fn rule(name: &str, limit: u64) -> Rule {
+    Rule::new(
+        name,
+        Quota::per_minute(limit)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+async fn consume(limiter: &Limiter, key: &str, n: usize) {
+    for _ in 0..n {
+        limiter.consume(&Key::new(key), 1).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_known_traffic_pattern_gives_exact_counts() {
+    prometheus();
+    // Allowed, denied, near the limit: 5 requests on a limit of 3.
+    let memory = Limiter::builder(MemoryStore::new())
+        .rule(rule("m_basic", 3))
+        .build()
+        .unwrap();
+    consume(&memory, "k", 5).await;
+    assert_eq!(decisions("m_basic", "allowed"), 3.0);
+    assert_eq!(decisions("m_basic", "denied"), 2.0);
+    assert_eq!(
+        count("fleetlimit_near_limit_total", &[("rule", "m_basic")]),
+        1.0
+    );
+
+    // Shadow mode: a limit of 1, 3 requests through the layer, all let through.
+    let shadow = Limiter::builder(MemoryStore::new())
+        .rule(rule("m_shadow", 1))
+        .build()
+        .unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::builder(shadow)
+            .key(key::header("x-api-key"))
+            .shadow(true)
+            .build()
+            .unwrap(),
+    );
+    for _ in 0..3 {
+        let req = Request::get("/")
+            .header("x-api-key", "k")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(
+            app.clone().oneshot(req).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    assert_eq!(decisions("m_shadow", "allowed"), 1.0);
+    assert_eq!(decisions("m_shadow", "denied"), 2.0);
+    assert_eq!(decisions("m_shadow", "shadow_denied"), 2.0);
+
+    // A real Redis: the denial cache answers the second refusal.
+    let mut server = RedisServer::start();
+    let redis = |name: &str, limit: u64, policy: OnStoreError| {
+        let url = server.url();
+        let rule = rule(name, limit);
+        async move {
+            let store = RedisStore::connect(&url).await.unwrap();
+            Limiter::builder(store)
+                .rule(rule)
+                .on_store_error(policy)
+                .deadline(Duration::from_millis(500))
+                .build()
+                .unwrap()
+        }
+    };
+    let cached = redis("m_cache", 1, OnStoreError::FailOpen).await;
+    consume(&cached, "k", 3).await;
+    assert_eq!(decisions("m_cache", "allowed"), 1.0);
+    assert_eq!(decisions("m_cache", "denied"), 1.0);
+    assert_eq!(decisions("m_cache", "cache_denied"), 1.0);
+    let calls = count("fleetlimit_store_call_seconds_count", &[("call", "apply")]);
+    assert!(calls >= 2.0, "store latency recorded: {calls}");
+
+    // Redis gone: fail open, and a local fallback of 2.
+    let open = redis("m_outage", 100, OnStoreError::FailOpen).await;
+    let local = redis("m_fallback", 2, OnStoreError::LocalShare(1)).await;
+    consume(&open, "k", 1).await;
+    server.kill();
+    consume(&open, "k", 4).await;
+    consume(&local, "k", 3).await;
+    assert_eq!(decisions("m_outage", "outage_allowed"), 4.0);
+    assert_eq!(decisions("m_fallback", "fallback_allowed"), 2.0);
+    assert_eq!(decisions("m_fallback", "fallback_denied"), 1.0);
+    assert!(count("fleetlimit_store_errors_total", &[]) >= 5.0);
+}
+
+#[tokio::test]
+async fn ten_thousand_keys_add_no_series() {
+    prometheus();
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(rule("m_many", 1))
+        .build()
+        .unwrap();
+    consume(&limiter, "first", 3).await;
+    let series = || {
+        prometheus()
+            .render()
+            .lines()
+            .filter(|l| l.contains("rule=\"m_many\""))
+            .count()
+    };
+    let before = series();
+    assert!(before >= 2, "allowed and denied series exist");
+    for i in 0..10_000 {
+        consume(&limiter, &format!("client-{i}"), 2).await;
+    }
+    assert_eq!(series(), before, "no series per key");
+    assert_eq!(decisions("m_many", "allowed"), 10_001.0);
+    assert!(
+        !prometheus().render().contains("client-"),
+        "keys never appear"
+    );
+}
