@@ -10,6 +10,7 @@
 //! | `POST /keys/{key}/deny` | [`Limiter::deny`] | 204 |
 //! | `POST /keys/{key}/allow` | [`Limiter::allow`] | 204 |
 //! | `POST /keys/{key}/unblock` | [`Limiter::unblock`] | 204 |
+//! | `GET /heavy-hitters?n=N` | [`Limiter::heavy_hitters`] | 200, `{"keys": [{"key": "...", "denials": N}]}` (default 10, at most 100) |
 //!
 //! `{key}` is the key as your extractor makes it (percent-encoded in the path). A store that
 //! cannot answer gives `503` with `{"error":"store_unavailable"}`. `GET` answers:
@@ -76,6 +77,7 @@ pub fn router_with(current: impl Fn() -> Limiter + Send + Sync + 'static) -> Rou
         .route("/keys/{key}/deny", post(deny))
         .route("/keys/{key}/allow", post(allow))
         .route("/keys/{key}/unblock", post(unblock))
+        .route("/heavy-hitters", get(heavy_hitters))
         .with_state(source)
 }
 
@@ -179,6 +181,24 @@ async fn block(
         Some(n) => done(source().block(&Key::new(key), Duration::from_secs(n)).await),
         None => error(StatusCode::BAD_REQUEST, "seconds_required"),
     }
+}
+
+async fn heavy_hitters(State(source): State<Source>, RawQuery(query): RawQuery) -> Response<Body> {
+    let n = query
+        .as_deref()
+        .and_then(|q| q.split('&').find_map(|p| p.strip_prefix("n=")))
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(10)
+        .min(100);
+    let keys: Vec<serde_json::Value> = source()
+        .heavy_hitters(n)
+        .into_iter()
+        .map(|h| serde_json::json!({ "key": h.key, "denials": h.denials }))
+        .collect();
+    json(
+        StatusCode::OK,
+        serde_json::json!({ "keys": keys }).to_string(),
+    )
 }
 
 async fn deny(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {

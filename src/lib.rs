@@ -74,8 +74,8 @@ pub use layer::{
 };
 pub(crate) use limiter::Target;
 pub use limiter::{
-    BreakerConfig, InfallibleStore, KeyState, LeaseConfig, Limiter, LimiterBuilder, LimiterStats,
-    OnStoreError, Penalty, PolicyUnset, Receipt, RuleState, DEFAULT_DEADLINE,
+    BreakerConfig, HeavyHitter, InfallibleStore, KeyState, LeaseConfig, Limiter, LimiterBuilder,
+    LimiterStats, OnStoreError, Penalty, PolicyUnset, Receipt, RuleState, DEFAULT_DEADLINE,
     DEFAULT_DENY_CACHE_MAX_AGE,
 };
 pub use quota::{

@@ -606,6 +606,15 @@ fn the_admin_endpoints_inspect_reset_and_block_keys_for_the_token_holder() {
     assert_eq!(json["rules"][0]["remaining"], 0);
     assert!(json["rules"][0]["reset_ms"].as_u64().unwrap() > 0);
     assert!(json["rules"][0]["blocked_until_ms"].is_null());
+    // The refused key is the heaviest hitter, fingerprinted.
+    let r = request(port, "GET", "/admin/heavy-hitters", &operator);
+    assert_eq!(status(&r), 200, "{r}");
+    let json: serde_json::Value = serde_json::from_str(body_of(&r)).unwrap();
+    assert!(json["keys"][0]["denials"].as_u64().unwrap() >= 1, "{r}");
+    assert!(
+        !body_of(&r).contains("tenant-7"),
+        "keys are fingerprinted: {r}"
+    );
     // Reset: the key starts afresh.
     let r = request(port, "DELETE", "/admin/keys/tenant-7", &operator);
     assert_eq!(status(&r), 204, "{r}");

@@ -100,6 +100,15 @@ impl Key {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
     }
+
+    /// The key as the user gave it, when it is text kept whole (for operators who opted in to
+    /// raw keys); `None` for hashed, binary or address keys (their `Display` is readable).
+    pub(crate) fn readable(&self) -> Option<String> {
+        match self.0.split_first() {
+            Some((&TAG_USER, text)) => std::str::from_utf8(text).ok().map(str::to_owned),
+            _ => None,
+        }
+    }
 }
 
 fn ipv4_key(b: &mut [u8; 18], octets: [u8; 4]) -> usize {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::breaker::Breakers;
 use super::denials::DenialCache;
+use super::heavy::HeavyHitters;
 use super::leases::Leases;
 use super::penalty::{Penalties, Penalty};
 use super::policy::Policy;
@@ -21,6 +22,9 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
 
 /// Remembered denials kept by default for a store that can fail.
 const DEFAULT_DENY_CACHE: usize = 10_000;
+
+/// Keys the heavy-hitter summary counts at once, by default.
+const DEFAULT_HEAVY_HITTERS: usize = 100;
 
 /// Keys the penalty box keeps a record of at once.
 const PENALTY_RECORDS: usize = 10_000;
@@ -53,6 +57,8 @@ pub struct LimiterBuilder<S, P = PolicyUnset> {
     breaker: BreakerConfig,
     clock: Arc<dyn Clock>,
     penalty: Option<Penalty>,
+    /// Heavy hitters: capacity (0: off), period, raw keys.
+    heavy: (usize, Duration, bool),
     _policy: PhantomData<P>,
 }
 
@@ -79,6 +85,7 @@ impl Limiter {
             breaker: BreakerConfig::default(),
             clock: Arc::new(SystemClock),
             penalty: None,
+            heavy: (DEFAULT_HEAVY_HITTERS, Duration::from_secs(60), false),
             _policy: PhantomData,
         }
     }
@@ -137,6 +144,15 @@ impl<S: Store, P> LimiterBuilder<S, P> {
         self
     }
 
+    /// Count the keys refused most over the last `period` in a summary of `capacity` keys
+    /// (default 100 keys, 60 s; 0 turns it off), read with
+    /// [`Limiter::heavy_hitters`](crate::Limiter::heavy_hitters). Keys are reported
+    /// fingerprinted unless `raw_keys` (they may be credentials or personal data).
+    pub fn heavy_hitters(mut self, capacity: usize, period: Duration, raw_keys: bool) -> Self {
+        self.heavy = (capacity, period, raw_keys);
+        self
+    }
+
     /// Block keys that keep coming back while refused (the penalty box): see [`Penalty`].
     pub fn penalty(mut self, penalty: Penalty) -> Self {
         self.penalty = Some(penalty);
@@ -180,6 +196,12 @@ impl<S: Store, P> LimiterBuilder<S, P> {
         if let Some(penalty) = &self.penalty {
             penalty.validate()?;
         }
+        if self.heavy.0 > 0 && self.heavy.1.is_zero() {
+            return Err(ConfigError::Invalid {
+                setting: "heavy_hitters",
+                reason: "the period must be above zero".into(),
+            });
+        }
         let policy = self
             .policy
             .map(|p| Policy::resolve(p, &self.rules, &self.clock))
@@ -215,6 +237,8 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 changing: parking_lot::Mutex::new(()),
                 overrides: Default::default(),
                 penalties: self.penalty.map(|p| Penalties::new(p, PENALTY_RECORDS)),
+                heavy: (self.heavy.0 > 0)
+                    .then(|| HeavyHitters::new(self.heavy.0, self.heavy.1, self.heavy.2)),
                 policy,
                 deadline: self.deadline,
                 breakers: Breakers::new(domains, self.breaker),
@@ -240,6 +264,7 @@ impl<S: Store> LimiterBuilder<S, PolicyUnset> {
             breaker: self.breaker,
             clock: self.clock,
             penalty: self.penalty,
+            heavy: self.heavy,
             _policy: PhantomData,
         }
     }

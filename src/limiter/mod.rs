@@ -19,6 +19,7 @@ mod breaker;
 mod builder;
 mod denials;
 mod domains;
+mod heavy;
 mod lease_config;
 mod leases;
 mod penalty;
@@ -33,6 +34,8 @@ pub use builder::{
     InfallibleStore, LimiterBuilder, PolicyUnset, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_MAX_AGE,
 };
 use denials::DenialCache;
+pub use heavy::HeavyHitter;
+use heavy::HeavyHitters;
 pub use lease_config::LeaseConfig;
 use leases::Leases;
 use penalty::Penalties;
@@ -161,6 +164,8 @@ struct Inner {
     overrides: arc_swap::ArcSwap<Overrides>,
     /// The penalty box, when configured.
     penalties: Option<Penalties>,
+    /// The keys refused most recently.
+    heavy: Option<HeavyHitters>,
     /// `None` for a store that cannot fail.
     policy: Option<Policy>,
     deadline: Duration,
@@ -654,6 +659,17 @@ impl Limiter {
         self.inner.release_all().await;
     }
 
+    /// The `n` keys this process refused most over the last one to two periods (see
+    /// [`LimiterBuilder::heavy_hitters`](crate::LimiterBuilder::heavy_hitters)), most refused
+    /// first; keys fingerprinted unless raw keys were asked for.
+    pub fn heavy_hitters(&self, n: usize) -> Vec<HeavyHitter> {
+        let inner = &self.inner;
+        inner
+            .heavy
+            .as_ref()
+            .map_or_else(Vec::new, |h| h.top(n, inner.clock.now_us()))
+    }
+
     /// What the limiter has done so far: degraded decisions, store errors, breaker openings,
     /// lease requests. Breaker states are read at the moment of the call.
     pub fn stats(&self) -> LimiterStats {
@@ -908,12 +924,20 @@ impl Inner {
         }
     }
 
-    /// Report a consume's decisions through the metrics facade.
+    /// Report a consume's decisions through the metrics facade, and count its refusals among
+    /// the heavy hitters.
     fn record(&self, targets: &Targets, decisions: &[Decision], rules: &[Rule]) {
+        let mut refused: Option<&Key> = None;
         for (t, d) in targets.iter().zip(decisions) {
             if let Some(rule) = rules.get(t.rule) {
                 telemetry::decision(rule, d);
             }
+            if !d.allowed && refused.is_none() {
+                refused = Some(&t.key);
+            }
+        }
+        if let (Some(heavy), Some(key)) = (&self.heavy, refused) {
+            heavy.denied(key, self.clock.now_us());
         }
     }
 
