@@ -2,7 +2,8 @@
 //! bare service and to `tower_governor`'s layer doing the same work (keyed by peer address),
 //! in process, no sockets. Allowed traffic and denied traffic.
 //!
-//! `cargo bench --bench layer`
+//! `cargo bench --bench layer` (the `metrics` group: the same with a Prometheus recorder off,
+//! then on)
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -83,5 +84,40 @@ fn layer(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, layer);
+/// The same decisions with no metrics recorder, then with a Prometheus recorder installed (it
+/// stays installed: this group runs last).
+fn metrics_overhead(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut group = c.benchmark_group("metrics");
+    group.warm_up_time(Duration::from_millis(500));
+    group.measurement_time(Duration::from_secs(2));
+    let apps = [
+        ("allowed", fleetlimit_app(true)),
+        ("denied", fleetlimit_app(false)),
+    ];
+    for (traffic, app) in &apps {
+        group.bench_function(BenchmarkId::new("off", traffic), |b| {
+            b.iter_custom(|iters| run(&rt, app, iters))
+        });
+    }
+    let _handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap();
+    // Limiters register their metric handles when built: build them again, recorder in place.
+    let apps = [
+        ("allowed", fleetlimit_app(true)),
+        ("denied", fleetlimit_app(false)),
+    ];
+    for (traffic, app) in &apps {
+        group.bench_function(BenchmarkId::new("on", traffic), |b| {
+            b.iter_custom(|iters| run(&rt, app, iters))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, layer, metrics_overhead);
 criterion_main!(benches);

@@ -738,7 +738,16 @@ struct Slow {
 
 /// Install the Prometheus recorder and serve its text at `http://addr/metrics`.
 async fn serve_metrics(addr: SocketAddr) -> Result<(), String> {
+    // Buckets from 100 µs to 100 ms, so the dashboard can compute store latency quantiles.
+    let buckets = [
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    ];
     let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full("fleetlimit_store_call_seconds".into()),
+            &buckets,
+        )
+        .map_err(|e| e.to_string())?
         .install_recorder()
         .map_err(|e| e.to_string())?;
     let listener = tokio::net::TcpListener::bind(addr)

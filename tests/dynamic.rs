@@ -348,7 +348,7 @@ period = "1m"
 
 [[rule]]
 name = "login"
-algorithm = "fixed-window"
+algorithm = "sliding-window"
 limit = 2
 period = "1m"
 scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "200-299" }

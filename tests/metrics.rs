@@ -68,11 +68,12 @@ fn decisions(rule: &str, outcome: &str) -> f64 {
     )
 }
 
+/// GCRA: no window boundary the real clock could cross mid-test.
 fn rule(name: &str, limit: u64) -> Rule {
     Rule::new(
         name,
         Quota::per_minute(limit)
-            .algorithm(Algorithm::FixedWindow)
+            .algorithm(Algorithm::Gcra)
             .build()
             .unwrap(),
     )

@@ -747,3 +747,30 @@ fn a_killed_instance_frees_its_concurrency_slots_within_the_expiry() {
         "freed too early: the slots were not held in Redis"
     );
 }
+
+/// `--metrics ADDR` serves Prometheus text with the limiter's counts.
+#[test]
+fn metrics_are_served_as_prometheus_text() {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let metrics_port = probe.local_addr().unwrap().port();
+    drop(probe);
+    let addr = format!("127.0.0.1:{metrics_port}");
+    let server = start(&["--port", "0", "--limit", "2", "--metrics", &addr]);
+    for _ in 0..3 {
+        get(server.1, Some("m"));
+    }
+    let text = get_path(metrics_port, "/metrics", None);
+    assert_eq!(status(&text), 200, "{text}");
+    let line = |outcome: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("fleetlimit_decisions_total{")
+                    && l.contains("rule=\"demo\"")
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap_or("").to_owned())
+    };
+    assert_eq!(line("allowed").as_deref(), Some("2"), "{text}");
+    assert_eq!(line("denied").as_deref(), Some("1"), "{text}");
+    assert!(!text.contains("\"m\""), "keys never appear");
+}

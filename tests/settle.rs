@@ -145,7 +145,8 @@ async fn costs_above_the_reservation_are_charged_within_the_budget() {
 /// once it is sent.
 #[tokio::test]
 async fn downloads_are_settled_at_the_bytes_sent() {
-    let limiter = Limiter::builder(MemoryStore::new())
+    let clock = ManualClock::new(1_735_689_600_000_000);
+    let limiter = Limiter::builder(MemoryStore::builder().clock(clock).build().unwrap())
         .rule(
             Rule::new(
                 "download-kib",

@@ -47,10 +47,9 @@ impl Verdict {
         let governing = governing(&decisions);
         let would_deny = !governing.allowed && config.shadow;
         if would_deny {
-            let rules = config.limiter.rules();
             for (t, d) in targets.iter().zip(decisions.iter()) {
-                if let (false, Some(rule)) = (d.allowed, rules.get(t.rule)) {
-                    crate::limiter::telemetry::shadow_denied(rule);
+                if !d.allowed {
+                    config.limiter.shadow_denied(t.rule);
                 }
             }
             tracing::info!(

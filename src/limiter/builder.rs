@@ -223,6 +223,7 @@ impl<S: Store, P> LimiterBuilder<S, P> {
             0
         });
         let domains = self.store.failure_domains();
+        let telemetry = super::telemetry::Telemetry::new(&self.rules);
         // Never reused, unlike an address: a receipt outlives nothing it could be confused with.
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Ok(Limiter {
@@ -237,6 +238,7 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 changing: parking_lot::Mutex::new(()),
                 overrides: Default::default(),
                 penalties: self.penalty.map(|p| Penalties::new(p, PENALTY_RECORDS)),
+                telemetry,
                 heavy: (self.heavy.0 > 0)
                     .then(|| HeavyHitters::new(self.heavy.0, self.heavy.1, self.heavy.2)),
                 policy,

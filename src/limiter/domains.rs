@@ -157,7 +157,8 @@ impl Inner {
             .breakers
             .call(domain, rule, || self.clock.now_us(), deadline, call)
             .await;
-        super::telemetry::store_call(what, started.elapsed(), answer.is_none());
+        self.telemetry
+            .store_call(what, started.elapsed(), answer.is_none());
         answer
     }
 }

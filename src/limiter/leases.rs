@@ -280,7 +280,9 @@ impl Inner {
         else {
             return Ok(self.policy_decision(check));
         };
-        super::telemetry::lease_block(check.rule);
+        if let Some(index) = self.rule_index(check.rule) {
+            self.telemetry.lease_block(index);
+        }
         let block = |permits: u64| Block {
             permits: AtomicU64::new(permits),
             deadline: started + lease.valid_for.as_micros() as u64,

@@ -166,6 +166,8 @@ struct Inner {
     penalties: Option<Penalties>,
     /// The keys refused most recently.
     heavy: Option<HeavyHitters>,
+    /// Metric handles (feature `metrics`).
+    telemetry: telemetry::Telemetry,
     /// `None` for a store that cannot fail.
     policy: Option<Policy>,
     deadline: Duration,
@@ -659,6 +661,11 @@ impl Limiter {
         self.inner.release_all().await;
     }
 
+    /// Shadow mode let through a request rule `rule` (by index) denied.
+    pub(crate) fn shadow_denied(&self, rule: usize) {
+        self.inner.telemetry.shadow_denied(rule);
+    }
+
     /// The `n` keys this process refused most over the last one to two periods (see
     /// [`LimiterBuilder::heavy_hitters`](crate::LimiterBuilder::heavy_hitters)), most refused
     /// first; keys fingerprinted unless raw keys were asked for.
@@ -930,7 +937,8 @@ impl Inner {
         let mut refused: Option<&Key> = None;
         for (t, d) in targets.iter().zip(decisions) {
             if let Some(rule) = rules.get(t.rule) {
-                telemetry::decision(rule, d);
+                let _ = rule;
+                self.telemetry.decision(t.rule, d);
             }
             if !d.allowed && refused.is_none() {
                 refused = Some(&t.key);

@@ -2,6 +2,8 @@
 //! exporter). Labels are rule names, outcomes and store operations only, never keys: the number
 //! of series does not grow with the number of clients.
 //!
+//! Handles are registered when the limiter is built: install your exporter's recorder first.
+//!
 //! | Metric | Type | Labels |
 //! |---|---|---|
 //! | `fleetlimit_decisions_total` | counter | `rule`, `outcome` |
@@ -22,67 +24,142 @@ use std::time::Duration;
 
 use crate::{Decision, Rule};
 
-/// Count one decision of `rule`.
-#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn decision(rule: &Rule, d: &Decision) {
+/// Outcomes, in the order of their counters.
+#[cfg(feature = "metrics")]
+const OUTCOMES: [&str; 10] = [
+    "allowed",
+    "denied",
+    "lease_allowed",
+    "lease_denied",
+    "cache_denied",
+    "fallback_allowed",
+    "fallback_denied",
+    "outage_allowed",
+    "outage_denied",
+    "shadow_denied",
+];
+
+#[cfg(feature = "metrics")]
+fn outcome(d: &Decision) -> usize {
+    use crate::Source;
+    match (d.source, d.allowed) {
+        (Source::Store, true) => 0,
+        (Source::Store, false) => 1,
+        (Source::Lease, true) => 2,
+        (Source::Lease, false) => 3,
+        (Source::Cache, _) => 4,
+        (Source::Fallback, true) => 5,
+        (Source::Fallback, false) => 6,
+        (Source::Policy, true) => 7,
+        (Source::Policy, false) => 8,
+    }
+}
+
+/// The limiter's metric handles, registered once when it is built (a decision increments a
+/// handle: no lookup, no allocation). Handles bind to the recorder installed at that moment:
+/// install the exporter before building limiters.
+pub(crate) struct Telemetry {
     #[cfg(feature = "metrics")]
-    {
-        use crate::Source;
-        let outcome = match (d.source, d.allowed) {
-            (Source::Store, true) => "allowed",
-            (Source::Store, false) => "denied",
-            (Source::Lease, true) => "lease_allowed",
-            (Source::Lease, false) => "lease_denied",
-            (Source::Cache, _) => "cache_denied",
-            (Source::Fallback, true) => "fallback_allowed",
-            (Source::Fallback, false) => "fallback_denied",
-            (Source::Policy, true) => "outage_allowed",
-            (Source::Policy, false) => "outage_denied",
-        };
-        let name = rule.shared_name().clone();
-        metrics::counter!("fleetlimit_decisions_total", "rule" => name.clone(), "outcome" => outcome)
-            .increment(1);
-        let counted = matches!(d.source, Source::Store | Source::Lease);
-        if d.allowed && counted && d.remaining.saturating_mul(10) < d.limit {
-            metrics::counter!("fleetlimit_near_limit_total", "rule" => name).increment(1);
+    rules: Vec<RuleMetrics>,
+    #[cfg(feature = "metrics")]
+    calls: [metrics::Histogram; 3],
+    #[cfg(feature = "metrics")]
+    errors: metrics::Counter,
+}
+
+#[cfg(feature = "metrics")]
+struct RuleMetrics {
+    outcomes: [metrics::Counter; 10],
+    near_limit: metrics::Counter,
+    lease_blocks: metrics::Counter,
+}
+
+impl Telemetry {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(rules: &[Rule]) -> Telemetry {
+        Telemetry {
+            #[cfg(feature = "metrics")]
+            rules: rules
+                .iter()
+                .map(|rule| {
+                    let name = rule.shared_name().clone();
+                    RuleMetrics {
+                        outcomes: OUTCOMES.map(|outcome| {
+                            metrics::counter!(
+                                "fleetlimit_decisions_total",
+                                "rule" => name.clone(),
+                                "outcome" => outcome
+                            )
+                        }),
+                        near_limit: metrics::counter!(
+                            "fleetlimit_near_limit_total",
+                            "rule" => name.clone()
+                        ),
+                        lease_blocks: metrics::counter!(
+                            "fleetlimit_lease_blocks_total",
+                            "rule" => name
+                        ),
+                    }
+                })
+                .collect(),
+            #[cfg(feature = "metrics")]
+            calls: ["apply", "refund", "lease"]
+                .map(|call| metrics::histogram!("fleetlimit_store_call_seconds", "call" => call)),
+            #[cfg(feature = "metrics")]
+            errors: metrics::counter!("fleetlimit_store_errors_total"),
+        }
+    }
+
+    /// Count one decision of rule `rule` (its index).
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn decision(&self, rule: usize, d: &Decision) {
+        #[cfg(feature = "metrics")]
+        if let Some(m) = self.rules.get(rule) {
+            m.outcomes[outcome(d)].increment(1);
+            let counted = matches!(d.source, crate::Source::Store | crate::Source::Lease);
+            if d.allowed && counted && d.remaining.saturating_mul(10) < d.limit {
+                m.near_limit.increment(1);
+            }
+        }
+    }
+
+    /// Shadow mode let through a request rule `rule` denied.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn shadow_denied(&self, rule: usize) {
+        #[cfg(feature = "metrics")]
+        if let Some(m) = self.rules.get(rule) {
+            m.outcomes[9].increment(1);
+        }
+    }
+
+    /// A block was leased for rule `rule`.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn lease_block(&self, rule: usize) {
+        #[cfg(feature = "metrics")]
+        if let Some(m) = self.rules.get(rule) {
+            m.lease_blocks.increment(1);
+        }
+    }
+
+    /// A store call (`apply`, `refund`, `lease`) took `took`; `failed` when it did not answer.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn store_call(&self, call: &'static str, took: Duration, failed: bool) {
+        #[cfg(feature = "metrics")]
+        {
+            let i = match call {
+                "refund" => 1,
+                "lease" => 2,
+                _ => 0,
+            };
+            self.calls[i].record(took.as_secs_f64());
+            if failed {
+                self.errors.increment(1);
+            }
         }
     }
 }
 
-/// Shadow mode let through a request `rule` denied.
-#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn shadow_denied(rule: &Rule) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!(
-        "fleetlimit_decisions_total",
-        "rule" => rule.shared_name().clone(),
-        "outcome" => "shadow_denied"
-    )
-    .increment(1);
-}
-
-/// A store call took `took`; `failed` when it did not answer.
-#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn store_call(call: &'static str, took: Duration, failed: bool) {
-    #[cfg(feature = "metrics")]
-    {
-        metrics::histogram!("fleetlimit_store_call_seconds", "call" => call)
-            .record(took.as_secs_f64());
-        if failed {
-            metrics::counter!("fleetlimit_store_errors_total").increment(1);
-        }
-    }
-}
-
-/// A block was leased for `rule`.
-#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn lease_block(rule: &Rule) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("fleetlimit_lease_blocks_total", "rule" => rule.shared_name().clone())
-        .increment(1);
-}
-
-/// `permits` leased under `rule` went back unspent.
+/// `permits` leased under `rule` went back unspent (in the background: looked up then).
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
 pub(crate) fn lease_returned(rule: &Rule, permits: u64) {
     #[cfg(feature = "metrics")]
