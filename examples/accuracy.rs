@@ -8,8 +8,11 @@
 //! admitted). This is the error a user of the counter actually sees.
 //!
 //! ```text
-//! cargo run --release --example accuracy [-- --keys 2000 --minutes 10 --seed 7]
+//! cargo run --release --example accuracy [-- --keys 2000 --minutes 10 --seed 7 --plot docs/accuracy.svg]
 //! ```
+//!
+//! `--plot FILE.svg` also draws one key at twice its limit: what the exact log counted in the
+//! trailing minute and what the counter estimated, against the limit.
 
 use std::time::Duration;
 
@@ -53,8 +56,26 @@ use trace::Rng;
 /// Demand per key as a multiple of its limit: below, at and above.
 pub const DEMAND: [f64; 7] = [0.25, 0.5, 0.9, 1.0, 1.1, 2.0, 5.0];
 
+/// One decision on the traced key: when, what the exact log held over the trailing period, and
+/// what the counter estimated (limit − its remaining), both after the decision.
+#[derive(Debug, Clone, Copy)]
+pub struct Point {
+    /// Seconds since the start.
+    pub at_s: f64,
+    /// Permits admitted in the trailing period, counted exactly.
+    pub exact: u64,
+    /// The counter's estimate of the same.
+    pub counter: u64,
+}
+
 /// Replay the workload; one report per demand class, in the order of `w.demand`.
 pub fn run(w: &Workload) -> Vec<Report> {
+    run_traced(w, None).0
+}
+
+/// [`run`], and the timeline of key `traced`.
+pub fn run_traced(w: &Workload, traced: Option<u64>) -> (Vec<Report>, Vec<Point>) {
+    let mut timeline = Vec::new();
     let start = 1_735_689_600_000_000u64;
     let clock = ManualClock::new(start);
     let store = MemoryStore::builder()
@@ -99,15 +120,15 @@ pub fn run(w: &Workload) -> Vec<Report> {
     for (t, k) in arrivals {
         clock.set(t);
         let key = Key::new(k.to_be_bytes());
-        let by_counter = store.apply_now(
+        let decision = store.apply_now(
             Op::Consume,
             &[Check {
                 rule: &counter,
                 key: &key,
                 cost: 1,
             }],
-        )[0]
-        .allowed;
+        )[0];
+        let by_counter = decision.allowed;
         let log = &mut admitted[k as usize];
         while log.front().is_some_and(|&ts| ts + period <= t) {
             log.pop_front();
@@ -115,6 +136,13 @@ pub fn run(w: &Workload) -> Vec<Report> {
         let by_exact = (log.len() as u64) < w.limit_per_minute;
         if by_counter {
             log.push_back(t);
+        }
+        if traced == Some(k) {
+            timeline.push(Point {
+                at_s: (t - start) as f64 / 1e6,
+                exact: log.len() as u64,
+                counter: w.limit_per_minute.saturating_sub(decision.remaining),
+            });
         }
         let report = &mut reports[(k % w.demand.len() as u64) as usize];
         report.worst_window = report.worst_window.max(log.len() as u64);
@@ -125,7 +153,67 @@ pub fn run(w: &Workload) -> Vec<Report> {
             _ => {}
         }
     }
-    reports
+    (reports, timeline)
+}
+
+/// Draw `timeline` (one key at `demand` × its limit) as an SVG: the permits admitted in the
+/// trailing minute, counted exactly and as the counter estimated them, against the limit.
+pub fn plot(path: &str, timeline: &[Point], limit: u64, demand: f64) -> Result<(), String> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let end = timeline.last().map_or(60.0, |p| p.at_s);
+    let top = (limit as f64 * 1.25).ceil() as u64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!(
+                "One key at {demand}× its limit of {limit}/min: admitted in the trailing minute"
+            ),
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(48)
+        .build_cartesian_2d(0.0..end, 0u64..top)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds")
+        .y_desc("permits in the trailing 60 s")
+        .draw()
+        .map_err(|e| e.to_string())?;
+    chart
+        .draw_series(LineSeries::new(
+            [(0.0, limit), (end, limit)],
+            RED.stroke_width(2),
+        ))
+        .map_err(|e| e.to_string())?
+        .label("the limit")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], RED));
+    chart
+        .draw_series(LineSeries::new(
+            timeline.iter().map(|p| (p.at_s, p.exact)),
+            &BLUE,
+        ))
+        .map_err(|e| e.to_string())?
+        .label("exact sliding log of what was admitted")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], BLUE));
+    chart
+        .draw_series(LineSeries::new(
+            timeline.iter().map(|p| (p.at_s, p.counter)),
+            GREEN.mix(0.8),
+        ))
+        .map_err(|e| e.to_string())?
+        .label("sliding window counter's estimate")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], GREEN));
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
 }
 
 /// All classes together.
@@ -148,7 +236,12 @@ fn main() {
         demand: DEMAND.to_vec(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut plot_to: Option<String> = None;
     for pair in args.chunks(2) {
+        if pair[0] == "--plot" {
+            plot_to = pair.get(1).cloned();
+            continue;
+        }
         let value = pair.get(1).and_then(|v| v.parse().ok());
         match (pair[0].as_str(), value) {
             ("--keys", Some(v)) => w.keys = v,
@@ -156,12 +249,24 @@ fn main() {
             ("--limit", Some(v)) => w.limit_per_minute = v,
             ("--seed", Some(v)) => w.seed = v,
             _ => {
-                eprintln!("usage: accuracy [--keys N] [--minutes N] [--limit N] [--seed N]");
+                eprintln!(
+                    "usage: accuracy [--keys N] [--minutes N] [--limit N] [--seed N] [--plot FILE.svg]"
+                );
                 std::process::exit(2);
             }
         }
     }
-    let reports = run(&w);
+    // The traced key: the first of the class at twice its limit.
+    let hot = w.demand.iter().position(|&d| d == 2.0).unwrap_or(0) as u64;
+    let (reports, timeline) = run_traced(&w, Some(hot));
+    if let Some(path) = &plot_to {
+        let demand = w.demand.get(hot as usize).copied().unwrap_or(1.0);
+        if let Err(e) = plot(path, &timeline, w.limit_per_minute, demand) {
+            eprintln!("--plot {path}: {e}");
+            std::process::exit(1);
+        }
+        eprintln!("wrote {path}");
+    }
     println!(
         "{} keys, {} simulated minutes, limit {}/min, Poisson arrivals",
         w.keys, w.minutes, w.limit_per_minute

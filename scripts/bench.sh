@@ -25,7 +25,7 @@ if ! need wrk || ! need redis-server || ! need redis-benchmark || ! need redis-c
   fi
 fi
 
-cargo build --release --quiet --example server --example baseline --example redis_load
+cargo build --release --quiet --example server --example baseline --example redis_load --example bench_chart
 BIN=target/release/examples
 
 PIDS=()
@@ -106,3 +106,5 @@ echo
 echo "| measured (median of $ROUNDS) | value | baseline | baseline value | ratio (range) | target |"
 echo "|---|---:|---|---:|---:|---|"
 printf '%s\n' "${ROWS[@]}"
+# The same table as a picture (CHART=path to write it elsewhere).
+printf '%s\n' "${ROWS[@]}" | "$BIN/bench_chart" "${CHART:-docs/bench.svg}"

@@ -362,6 +362,7 @@ impl Inner {
         if given {
             super::telemetry::lease_returned(rule, taken.cost());
         } else {
+            super::telemetry::lease_expired(rule, taken.cost());
             tracing::debug!(
                 rule = rule.name(),
                 "fleetlimit: could not give leased permits back; they return when the window ends or the bucket refills"

@@ -12,7 +12,8 @@
 //! | `fleetlimit_store_errors_total` | counter | |
 //! | `fleetlimit_lease_blocks_total` | counter | `rule`: blocks leased |
 //! | `fleetlimit_lease_permits_returned_total` | counter | `rule`: unspent permits given back |
-//! | `fleetlimit_breakers_open` | gauge | breakers refusing store calls (one per failure domain) |
+//! | `fleetlimit_lease_permits_expired_total` | counter | `rule`: unspent permits that could not be given back |
+//! | `fleetlimit_breakers_open` | gauge | breakers refusing store calls now (a count over the failure domains: a label per cluster slot would be 16,384 series) |
 //!
 //! Outcomes: `allowed` and `denied` (the store decided), `lease_allowed`/`lease_denied`
 //! (spent from a leased block), `cache_denied` (a remembered denial), `fallback_allowed` and
@@ -165,6 +166,18 @@ pub(crate) fn lease_returned(rule: &Rule, permits: u64) {
     #[cfg(feature = "metrics")]
     metrics::counter!(
         "fleetlimit_lease_permits_returned_total",
+        "rule" => rule.shared_name().clone()
+    )
+    .increment(permits);
+}
+
+/// `permits` leased under `rule` could not be given back: they expire unused (they return to
+/// the budget when the window ends or the bucket refills).
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn lease_expired(rule: &Rule, permits: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "fleetlimit_lease_permits_expired_total",
         "rule" => rule.shared_name().clone()
     )
     .increment(permits);
