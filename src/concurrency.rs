@@ -611,12 +611,7 @@ where
                 }
             };
             let response = inner.call(req).await?;
-            Ok(response.map(|body| {
-                ResponseBody::inner(SlotBody {
-                    inner: body,
-                    slot: Some(slot),
-                })
-            }))
+            Ok(response.map(|body| ResponseBody::inner(HeldBody::new(body, Some(slot)))))
         })
     }
 }
@@ -646,29 +641,33 @@ fn refusal(config: &LayerConfig, limit: u64, grpc: bool) -> Response<Bytes> {
 }
 
 pin_project! {
-    /// A response body that holds its request's slot until it ends or is dropped.
-    pub struct SlotBody<B> {
+    /// A response body that holds something for its request (a concurrency slot, a place among
+    /// a worker's requests in flight) until the body ends or is dropped.
+    pub struct HeldBody<B, G> {
         #[pin]
         inner: B,
-        slot: Option<Slot>,
+        held: Option<G>,
     }
 }
 
-impl<B> std::fmt::Debug for SlotBody<B> {
+/// The response body of a [`ConcurrencyLimitService`]: the slot is free when it ends.
+pub type SlotBody<B> = HeldBody<B, Slot>;
+
+impl<B, G: std::fmt::Debug> std::fmt::Debug for HeldBody<B, G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SlotBody")
-            .field("slot", &self.slot)
+        f.debug_struct("HeldBody")
+            .field("held", &self.held)
             .finish_non_exhaustive()
     }
 }
 
-impl<B> SlotBody<B> {
-    pub(crate) fn new(inner: B, slot: Option<Slot>) -> SlotBody<B> {
-        SlotBody { inner, slot }
+impl<B, G> HeldBody<B, G> {
+    pub(crate) fn new(inner: B, held: Option<G>) -> HeldBody<B, G> {
+        HeldBody { inner, held }
     }
 }
 
-impl<B: Body> Body for SlotBody<B> {
+impl<B: Body, G> Body for HeldBody<B, G> {
     type Data = B::Data;
     type Error = B::Error;
 
@@ -679,7 +678,7 @@ impl<B: Body> Body for SlotBody<B> {
         let this = self.project();
         let frame = this.inner.poll_frame(cx);
         if let Poll::Ready(None) = frame {
-            this.slot.take(); // the response is complete: the slot is free
+            this.held.take(); // the response is complete: let go
         }
         frame
     }

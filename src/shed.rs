@@ -42,7 +42,7 @@ use http::{HeaderValue, Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::concurrency::{Acquired, ConcurrencyLimiter, SlotBody};
+use crate::concurrency::{Acquired, ConcurrencyLimiter, HeldBody, Slot};
 use crate::layer::ResponseBody;
 use crate::{ConfigError, Key};
 
@@ -172,6 +172,7 @@ impl WorkerUtilisation {
 }
 
 /// Counts a request in the worker's handlers while it lives.
+#[derive(Debug)]
 struct InFlight(Arc<WorkerState>);
 
 impl InFlight {
@@ -360,7 +361,7 @@ where
     B: Send + 'static,
     ResBody: Send + 'static,
 {
-    type Response = Response<ResponseBody<SlotBody<InFlightBody<ResBody>>>>;
+    type Response = Response<ResponseBody<HeldBody<ResBody, Held>>>;
     type Error = S::Error;
     type Future = ShedFuture<Self::Response, S::Error>;
 
@@ -396,12 +397,12 @@ where
             let counted = config.worker.as_ref().map(|w| InFlight::enter(&w.state));
             let response = inner.call(req).await?;
             Ok(response.map(|body| {
-                ResponseBody::inner(SlotBody::new(
-                    InFlightBody {
-                        inner: body,
-                        counted,
-                    },
-                    slot,
+                ResponseBody::inner(HeldBody::new(
+                    body,
+                    Some(Held {
+                        _slot: slot,
+                        _counted: counted,
+                    }),
                 ))
             }))
         })
@@ -424,44 +425,13 @@ fn shed_response(priority: Priority, reason: ShedReason, grpc: bool) -> Response
     response
 }
 
-pin_project_lite::pin_project! {
-    /// A response body counted in its worker's requests in flight until it ends.
-    pub struct InFlightBody<B> {
-        #[pin]
-        inner: B,
-        counted: Option<InFlight>,
-    }
-}
-
-impl<B> std::fmt::Debug for InFlightBody<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InFlightBody").finish_non_exhaustive()
-    }
-}
-
-impl<B: http_body::Body> http_body::Body for InFlightBody<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
-        let this = self.project();
-        let frame = this.inner.poll_frame(cx);
-        if let Poll::Ready(None) = frame {
-            this.counted.take();
-        }
-        frame
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
+/// What a request admitted by [`LoadShedLayer`] holds until its response body ends: its place
+/// in the fleet budget and among its worker's requests in flight.
+#[derive(Debug)]
+pub struct Held {
+    // Held for what their drop gives back.
+    _slot: Option<Slot>,
+    _counted: Option<InFlight>,
 }
 
 #[cfg(test)]
