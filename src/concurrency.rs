@@ -168,11 +168,15 @@ impl ConcurrencyLimiter {
         match answer {
             Ok((true, _)) => Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id)),
             Ok((false, in_flight)) => Acquired::Full { limit, in_flight },
-            Err(error) => self.fallback(key, id, &error),
+            Err(error) => {
+                // The call may have taken the slot before the deadline passed: give it back.
+                release_later(inner.clone(), key.clone(), id);
+                self.fallback(key, id, limit, &error)
+            }
         }
     }
 
-    fn fallback(&self, key: &Key, id: u64, error: &StoreError) -> Acquired {
+    fn fallback(&self, key: &Key, id: u64, share: u64, error: &StoreError) -> Acquired {
         tracing::warn!(
             name = %self.inner.name,
             %error,
@@ -186,6 +190,8 @@ impl ConcurrencyLimiter {
             Some(Fallback::Local { store, limit }) => {
                 let name = &self.inner.name;
                 let ttl = Duration::MAX / 4;
+                // A caller's share of the limit (load shedding) holds in the fallback too.
+                let limit = &(*limit).min(share);
                 match store.slots_now(SlotOp::Acquire, name, key, id, *limit, ttl) {
                     (true, _) => {
                         Acquired::Held(Slot::local(store.clone(), name.clone(), key.clone(), id))
@@ -293,6 +299,23 @@ impl<S: Store> ConcurrencyLimiterBuilder<S, OnStoreError> {
     /// Validate and build.
     pub fn build(self) -> Result<ConcurrencyLimiter, ConfigError> {
         self.build_inner()
+    }
+}
+
+/// Give slot `id` back in the background (a call that timed out may have taken it).
+fn release_later(limiter: Arc<Inner>, key: Key, id: u64) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let call = limiter.store.slots(
+                SlotOp::Release,
+                &limiter.name,
+                &key,
+                id,
+                limiter.limit,
+                limiter.ttl,
+            );
+            let _ = call.await;
+        });
     }
 }
 

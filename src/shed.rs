@@ -226,8 +226,15 @@ impl FleetUsage {
     }
 
     fn limit_for(&self, priority: Priority) -> u64 {
+        let share = self.shares[priority.rank()];
         let budget = self.slots.limit() as f64;
-        (budget * self.shares[priority.rank()]).floor() as u64
+        // A share above zero is at least one slot, however small the budget.
+        let limit = (budget * share).floor() as u64;
+        if share > 0.0 {
+            limit.max(1)
+        } else {
+            0
+        }
     }
 }
 

@@ -282,6 +282,16 @@ async fn the_penalty_box_blocks_repeat_offenders_longer_each_time() {
             ));
             clock.advance(Duration::from_secs(block));
         }
+        // An operator's deny-list entry is never replaced by a penalty's block.
+        a.deny(&key).await.unwrap();
+        for _ in 0..6 {
+            assert!(!a.consume(&key, 1).await.unwrap().allowed);
+        }
+        assert_eq!(
+            a.inspect(&key).await.unwrap().listing,
+            Some(Listing::Deny),
+            "{name}"
+        );
         // Refusals of other keys are counted apart.
         let other = Key::new("calm");
         assert_eq!(admitted(&a, &other, 5).await, 3, "{name}");

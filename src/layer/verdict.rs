@@ -89,7 +89,8 @@ impl Verdict {
     /// A meter for the rules charged by body size, when the request was charged for real.
     fn meter_for_body(&self) -> Option<Arc<Meter>> {
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
-        if self.would_deny || !counted {
+        // Shadow mode never refuses, a body included: it is charged up front only.
+        if self.config.shadow || !counted {
             return None;
         }
         let scopes = &self.config.scopes;

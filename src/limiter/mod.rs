@@ -723,12 +723,11 @@ impl Limiter {
         inner.record(targets, &decisions, &rules);
         for (key, block) in inner.earned(targets, &decisions) {
             // An in-process store answers at once: no future to await on this path.
-            let mut listing = inner.store.set_listing(&key, Some(Listing::Block(block)));
+            let mut penalise = std::pin::pin!(inner.penalise(&key, block));
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if listing.as_mut().poll(&mut cx).is_pending() {
+            if std::future::Future::poll(penalise.as_mut(), &mut cx).is_pending() {
                 tracing::warn!("fleetlimit: the penalty box could not block a key in process");
             }
-            inner.penalised(&key, block);
         }
         Some(decisions)
     }
@@ -765,13 +764,13 @@ impl Limiter {
         if op == Op::Consume {
             self.inner.record(targets, &decisions, &rules);
             for (key, block) in self.inner.earned(targets, &decisions) {
-                match self.block(&key, block).await {
-                    Ok(()) => self.inner.penalised(&key, block),
-                    Err(error) => tracing::warn!(
-                        key = %key,
-                        %error,
-                        "fleetlimit: the penalty box could not block a key"
-                    ),
+                let deadline = Deadline::after(self.inner.deadline);
+                if deadline
+                    .run(self.inner.penalise(&key, block))
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(key = %key, "fleetlimit: the penalty box could not block a key");
                 }
             }
         }
@@ -971,8 +970,34 @@ impl Inner {
         earned
     }
 
-    fn penalised(&self, key: &Key, block: Duration) {
-        tracing::info!(key = %key, ?block, "fleetlimit: the penalty box blocked a key");
+    /// Block `key` for `block`, unless an operator's entry says more: a deny-list or
+    /// allow-list entry, or a block that ends later, is never shortened or replaced.
+    async fn penalise(&self, key: &Key, block: Duration) {
+        let stands = match self.store.listing(key).await {
+            Ok(Some(Listing::Deny | Listing::Allow)) => true,
+            Ok(Some(Listing::Block(left))) => left >= block,
+            _ => false,
+        };
+        if stands {
+            return;
+        }
+        match self
+            .store
+            .set_listing(key, Some(Listing::Block(block)))
+            .await
+        {
+            Ok(()) => {
+                if let Some(denials) = &self.denials {
+                    denials.forget(key);
+                }
+                tracing::info!(key = %key, ?block, "fleetlimit: the penalty box blocked a key");
+            }
+            Err(error) => tracing::warn!(
+                key = %key,
+                %error,
+                "fleetlimit: the penalty box could not block a key"
+            ),
+        }
     }
 
     /// One `debug` event per decision and rule, keys fingerprinted.

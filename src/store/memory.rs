@@ -409,7 +409,8 @@ impl Inner {
             .iter()
             .zip(listed)
             .map(|(c, l)| {
-                let peeked = || self.apply_one(Op::Peek, c, now);
+                // As the script does: the state as a request of cost 1 sees it.
+                let peeked = || self.apply_one(Op::Peek, &Check { cost: 1, ..*c }, now);
                 match l {
                     None => rest.next().unwrap_or_else(peeked),
                     Some(Listed::Allow) => Decision {

@@ -5,7 +5,7 @@
 --   key ('allow', 'deny', or the end of a block in µs; see listing.lua), which outranks quotas.
 -- ARGV[1]: 'consume' | 'peek' | 'refund' | 'lease'
 -- ARGV[2]: now in µs since the epoch, or '' to read the server's clock (the fleet's one clock).
--- ARGV[3 + 9(i-1) ...]: for check i: algorithm (1 fixed window, 2 sliding log, 3 sliding
+-- ARGV[3 + 11(i-1) ...]: for check i: algorithm (1 fixed window, 2 sliding log, 3 sliding
 --   window, 4 token bucket, 5 gcra), limit, period (µs), burst, emission interval (µs),
 --   token units, refill units, sub-windows, bounded (1: the sliding window counter counts the
 --   sub-window sliding out whole), cost, and for 'refund' the receipt's anchor (µs; else '').
