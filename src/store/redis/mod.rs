@@ -828,29 +828,7 @@ impl Inner {
                 let result =
                     follow_redirections(&mut conn, self.script.get_hash(), result, &keys, &args)
                         .await;
-                // A node that stopped answering (a master killed before its replica took over):
-                // the next call connects again and learns the new slot map.
-                if result.as_ref().is_err_and(|e| {
-                    e.is_io_error()
-                        || e.is_connection_dropped()
-                        || e.is_connection_refusal()
-                        || e.is_unrecoverable_error()
-                        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
-                }) {
-                    if let Conn::Cluster { current, .. } = &self.conn {
-                        if current
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .take()
-                            .is_some()
-                        {
-                            tracing::info!(
-                                error = %result.as_ref().err().map_or(String::new(), |e| e.to_string()),
-                                "fleetlimit: a cluster node stopped answering; reconnecting to learn the slot map again"
-                            );
-                        }
-                    }
-                }
+                self.forget_dead_node(&result);
                 result
             }
             Ready::Shared(mut conn) => {
@@ -882,14 +860,56 @@ impl Inner {
         result
     }
 
-    /// One plain command (a pause and its reading; decisions go through the script).
+    /// One plain command (pauses, listings, slots, resets; decisions go through the script).
     async fn command<T: FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
         match self.connection().await? {
             Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
-            Ready::Cluster(mut conn) => cmd.query_async(&mut conn).await,
+            Ready::Cluster(mut conn) => {
+                let result = cmd.query_async(&mut conn).await;
+                // No redirection is followed here: a moved slot, like a dead node, makes the
+                // next call connect again and learn the slot map.
+                let moved = result.as_ref().is_err_and(|e| e.redirect_node().is_some());
+                if moved {
+                    self.forget_cluster_connection(&result);
+                } else {
+                    self.forget_dead_node(&result);
+                }
+                result
+            }
             Ready::Shared(mut conn) => self.on_shared(cmd.query_async(&mut conn)).await,
         }
         .map_err(store_error)
+    }
+
+    /// A node that stopped answering (a master killed before its replica took over): the next
+    /// call connects again and learns the new slot map.
+    fn forget_dead_node<T>(&self, result: &redis::RedisResult<T>) {
+        let dead = result.as_ref().is_err_and(|e| {
+            e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_connection_refusal()
+                || e.is_unrecoverable_error()
+                || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
+        });
+        if dead {
+            self.forget_cluster_connection(result);
+        }
+    }
+
+    fn forget_cluster_connection<T>(&self, result: &redis::RedisResult<T>) {
+        if let Conn::Cluster { current, .. } = &self.conn {
+            if current
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .is_some()
+            {
+                tracing::info!(
+                    error = %result.as_ref().err().map_or(String::new(), |e| e.to_string()),
+                    "fleetlimit: a cluster node stopped answering or a slot moved; reconnecting to learn the slot map again"
+                );
+            }
+        }
     }
 
     /// Run the listing script for `key`: `op` ('get', 'allow', 'deny', 'block', 'clear').
