@@ -136,6 +136,11 @@ fn invalid_flags_exit_2_with_a_message() {
         &["--trusted-proxies", "10.0.0.0/33"],
         &["--trusted-hops", "0"],
         &["--trusted-hops", "1", "--trusted-proxies", "127.0.0.1"],
+        &["--concurrency", "0"],
+        &["--concurrency", "-3"],
+        &["--metrics", "not-an-address"],
+        &["--admin-token", ""],
+        &["--admin-token", "two words"],
     ] {
         let out = Command::new(server_binary()).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
@@ -168,6 +173,8 @@ fn help_prints_the_usage_on_stdout_and_exits_0() {
             "--redis-ca",
             "--rules",
             "--admin-token",
+            "--concurrency",
+            "--metrics",
             "rediss://",
             "redis-sentinel://",
         ] {

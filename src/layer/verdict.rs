@@ -11,7 +11,7 @@ use super::layer::{Config, Targets};
 use super::meter::{BodyMeter, Meter, Stopped};
 use super::{response, RateLimitInfo};
 use crate::store::BoxFuture;
-use crate::{Decision, Error, Key, Rule, Source};
+use crate::{Decision, Error, Key, Source};
 
 pub(crate) type Decisions = smallvec::SmallVec<[Decision; 2]>;
 
@@ -161,14 +161,9 @@ impl Verdict {
         if style != super::HeaderStyle::Ietf {
             return style.write(&[], &self.decisions, shown, headers);
         }
-        let limiter = &self.config.limiter;
-        let deciding: Vec<Rule> = self
-            .targets
-            .iter()
-            .filter_map(|t| limiter.rule_for(t))
-            .collect();
-        let applied: Vec<&Rule> = deciding.iter().collect();
-        style.write(&applied, &self.decisions, shown, headers);
+        self.config.limiter.with_rules_for(&self.targets, |rules| {
+            style.write(rules, &self.decisions, shown, headers)
+        });
     }
 
     pub(crate) fn info(&self) -> RateLimitInfo {

@@ -365,12 +365,16 @@ impl Limiter {
         Some(Box::new(own.with_quota(quota)))
     }
 
-    /// The rule that decides `target` now (its key's override, its resolved quota, or the
-    /// rule), for headers.
-    pub(crate) fn rule_for(&self, target: &Target) -> Option<Rule> {
+    /// Call `f` with the rules that decide `targets` now (each target's key override, its
+    /// resolved quota, or its rule), borrowed: for headers.
+    pub(crate) fn with_rules_for<R>(&self, targets: &Targets, f: impl FnOnce(&[&Rule]) -> R) -> R {
         let rules = self.inner.rules.load();
         let overrides = self.inner.overrides.load();
-        Some(effective(rules.get(target.rule)?, &overrides, target).clone())
+        let deciding: smallvec::SmallVec<[&Rule; 2]> = targets
+            .iter()
+            .filter_map(|t| Some(effective(rules.get(t.rule)?, &overrides, t)))
+            .collect();
+        f(&deciding)
     }
 
     /// Take `cost` permits for `key` from every rule, or from none if any rule denies. Returns
