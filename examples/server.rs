@@ -54,7 +54,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use axum::extract::{Path, Query};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, Uri};
+use axum::response::IntoResponse;
 use axum::{routing::get, Router};
 use fleetlimit::concurrency::{ConcurrencyLimitLayer, ConcurrencyLimiter};
 use fleetlimit::config::RuleSet;
@@ -672,6 +673,7 @@ fn main() -> ExitCode {
             None => (routes().layer(layer), fleetlimit::admin::router(limiter)),
         };
         let app = if concurrency.is_some() {
+            IN_HANDLERS_COUNTED.store(true, std::sync::atomic::Ordering::Relaxed);
             app.route(
                 "/inflight",
                 get(|| async {
@@ -730,6 +732,14 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The request's `?sleep_ms=N`; a request without a query (nearly all) parses nothing.
+fn slow(uri: &Uri) -> Result<Slow, axum::extract::rejection::QueryRejection> {
+    match uri.query() {
+        None => Ok(Slow { sleep_ms: None }),
+        Some(_) => Query::try_from_uri(uri).map(|Query(slow)| slow),
+    }
+}
+
 /// `?sleep_ms=N`: how long the handler takes.
 #[derive(Debug, serde::Deserialize)]
 struct Slow {
@@ -770,6 +780,10 @@ async fn serve_metrics(addr: SocketAddr) -> Result<(), String> {
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(())
 }
+
+/// Whether `/inflight` is served (`--concurrency`): only then are handlers counted.
+static IN_HANDLERS_COUNTED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 /// Requests in this process's handlers right now (`GET /inflight`).
 static IN_HANDLERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -819,7 +833,9 @@ fn build_concurrency(
 }
 
 async fn answer(status: StatusCode, slow: Slow) -> (StatusCode, &'static str) {
-    let _in_handler = InHandler::enter();
+    let _in_handler = IN_HANDLERS_COUNTED
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .then(InHandler::enter);
     match slow.sleep_ms {
         Some(ms) if ms > MAX_SLEEP_MS => (StatusCode::BAD_REQUEST, "sleep_ms is at most 600000"),
         Some(ms) => {
@@ -834,7 +850,12 @@ fn routes() -> Router {
     Router::new()
         .route(
             "/",
-            get(|Query(slow): Query<Slow>| answer(StatusCode::OK, slow)),
+            get(|uri: Uri| async move {
+                match slow(&uri) {
+                    Ok(slow) => answer(StatusCode::OK, slow).await.into_response(),
+                    Err(rejection) => rejection.into_response(),
+                }
+            }),
         )
         .route(
             "/status/{code}",

@@ -198,6 +198,8 @@ impl Default for PeerIp {
 /// Requests from one peer before the layer says that every client seems to share it.
 const SAME_PEER_WARNING: u32 = 10_000;
 
+static X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+
 /// Watches for a proxy nobody configured; says so once.
 #[derive(Debug, Default)]
 struct Watch {
@@ -210,7 +212,7 @@ struct Watch {
 impl Watch {
     fn observe(&self, peer: IpAddr, parts: &Parts, trusted: &TrustedProxies) {
         if !self.warned_forwarding.load(Ordering::Relaxed)
-            && (parts.headers.contains_key("x-forwarded-for")
+            && (parts.headers.contains_key(&X_FORWARDED_FOR)
                 || parts.headers.contains_key(http::header::FORWARDED))
             && !trusted.contains(peer)
             && is_private(peer)

@@ -41,24 +41,75 @@ const TAG_KEYLESS: u8 = b'n';
 /// assert!(Key::new(vec![b'x'; 10_000]).as_bytes().len() <= 64, "long keys are hashed");
 /// # let _ = a;
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key(Bytes);
+#[derive(Clone)]
+pub struct Key(Repr);
+
+/// Short encodings (every address, most account ids and API keys) live inline, so building a
+/// key on each request allocates nothing; longer ones share one allocation between clones.
+#[derive(Clone)]
+enum Repr {
+    Inline { len: u8, bytes: [u8; INLINE] },
+    Shared(Bytes),
+}
+
+/// The longest encoding kept inline: an address, a UUID or a 32-character API key with its tag;
+/// a key stays 40 bytes.
+const INLINE: usize = 38;
+
+impl Repr {
+    fn new(tag: u8, body: &[u8]) -> Repr {
+        if body.len() < INLINE {
+            let mut bytes = [0u8; INLINE];
+            bytes[0] = tag;
+            bytes[1..=body.len()].copy_from_slice(body);
+            // `body.len() < INLINE`, so the length fits a byte.
+            Repr::Inline {
+                len: (1 + body.len()) as u8,
+                bytes,
+            }
+        } else {
+            let mut b = BytesMut::with_capacity(1 + body.len());
+            b.put_u8(tag);
+            b.put_slice(body);
+            Repr::Shared(b.freeze())
+        }
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Key {}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
+    }
+}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Key) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Key {
+    fn cmp(&self, other: &Key) -> std::cmp::Ordering {
+        self.as_bytes().cmp(other.as_bytes())
+    }
+}
 
 impl Key {
     /// A key from user data (an account id, an API key, a tenant). Any bytes are allowed.
     pub fn new(key: impl AsRef<[u8]>) -> Key {
         let key = key.as_ref();
         if key.len() > MAX_KEY_LEN {
-            let digest = Sha256::digest(key);
-            let mut b = BytesMut::with_capacity(1 + digest.len());
-            b.put_u8(TAG_HASHED);
-            b.put_slice(&digest);
-            return Key(b.freeze());
+            return Key(Repr::new(TAG_HASHED, &Sha256::digest(key)));
         }
-        let mut b = BytesMut::with_capacity(1 + key.len());
-        b.put_u8(TAG_USER);
-        b.put_slice(key);
-        Key(b.freeze())
+        Key(Repr::new(TAG_USER, key))
     }
 
     /// A key for a client address. IPv6 addresses are grouped by `/ipv6_prefix` (a host
@@ -67,54 +118,55 @@ impl Key {
     pub fn from_ip(ip: IpAddr, ipv6_prefix: u8) -> Key {
         // Binary, not text: an address key is built on every request, and formatting one costs
         // more than the rest of the key. Tag, then 4 address bytes, or 16 and the prefix length.
-        let mut b = [0u8; 18];
+        let mut b = [0u8; 17];
         let len = match ip {
             IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
                 Some(v4) => ipv4_key(&mut b, v4.octets()),
                 None => {
                     let prefix = ipv6_prefix.min(128);
-                    b[0] = TAG_IP;
-                    b[1..17].copy_from_slice(&mask_v6(v6, prefix).octets());
-                    b[17] = prefix;
-                    18
+                    b[..16].copy_from_slice(&mask_v6(v6, prefix).octets());
+                    b[16] = prefix;
+                    17
                 }
             },
             IpAddr::V4(v4) => ipv4_key(&mut b, v4.octets()),
         };
-        Key(Bytes::copy_from_slice(&b[..len]))
+        Key(Repr::new(TAG_IP, &b[..len]))
     }
 
     /// The one key every request shares (a global limit).
     pub fn global() -> Key {
-        Key(Bytes::from_static(&[TAG_GLOBAL]))
+        Key(Repr::new(TAG_GLOBAL, &[]))
     }
 
     /// The one bucket shared by requests without a key (`MissingKey::Shared`); no user key
     /// can equal it.
     pub(crate) fn keyless() -> Key {
-        Key(Bytes::from_static(&[TAG_KEYLESS]))
+        Key(Repr::new(TAG_KEYLESS, &[]))
     }
 
     /// The encoded key: a kind tag, then the user's bytes or a digest. Distinct keys have
     /// distinct encodings.
     pub fn as_bytes(&self) -> &[u8] {
-        &self.0
+        match &self.0 {
+            Repr::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            Repr::Shared(b) => b,
+        }
     }
 
     /// The key as the user gave it, when it is text kept whole (for operators who opted in to
     /// raw keys); `None` for hashed, binary or address keys (their `Display` is readable).
     pub(crate) fn readable(&self) -> Option<String> {
-        match self.0.split_first() {
+        match self.as_bytes().split_first() {
             Some((&TAG_USER, text)) => std::str::from_utf8(text).ok().map(str::to_owned),
             _ => None,
         }
     }
 }
 
-fn ipv4_key(b: &mut [u8; 18], octets: [u8; 4]) -> usize {
-    b[0] = TAG_IP;
-    b[1..5].copy_from_slice(&octets);
-    5
+fn ipv4_key(b: &mut [u8; 17], octets: [u8; 4]) -> usize {
+    b[..4].copy_from_slice(&octets);
+    4
 }
 
 fn mask_v6(ip: Ipv6Addr, prefix: u8) -> Ipv6Addr {
@@ -155,20 +207,30 @@ impl From<IpAddr> for Key {
 
 impl fmt::Debug for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0.first() {
-            Some(&TAG_IP) => match self.0.len() {
+        let b = self.as_bytes();
+        match b.first() {
+            Some(&TAG_IP) => match b.len() {
                 5 => {
-                    let o: [u8; 4] = self.0[1..5].try_into().map_err(|_| fmt::Error)?;
+                    let o: [u8; 4] = b[1..5].try_into().map_err(|_| fmt::Error)?;
                     write!(f, "Key(ip {})", std::net::Ipv4Addr::from(o))
                 }
                 _ => {
-                    let o: [u8; 16] = self.0[1..17].try_into().map_err(|_| fmt::Error)?;
-                    write!(f, "Key(ip {}/{})", Ipv6Addr::from(o), self.0[17])
+                    let o: [u8; 16] = b
+                        .get(1..17)
+                        .ok_or(fmt::Error)?
+                        .try_into()
+                        .map_err(|_| fmt::Error)?;
+                    write!(
+                        f,
+                        "Key(ip {}/{})",
+                        Ipv6Addr::from(o),
+                        b.get(17).ok_or(fmt::Error)?
+                    )
                 }
             },
             Some(&TAG_GLOBAL) => f.write_str("Key(global)"),
             _ => {
-                let digest = Sha256::digest(&self.0);
+                let digest = Sha256::digest(b);
                 write!(
                     f,
                     "Key(#{:02x}{:02x}{:02x}{:02x})",

@@ -70,32 +70,41 @@ impl<S, B> ResponseFuture<S, B>
 where
     S: Service<Request<B>>,
 {
+    /// A call decided on the spot: no boxed future, no extra state.
+    pub(crate) fn decided(
+        config: Arc<Config>,
+        targets: Targets,
+        decisions: verdict::Decisions,
+        grpc: bool,
+        inner: &mut S,
+        mut req: Request<B>,
+    ) -> Self {
+        let mut verdict = Verdict::new(config, targets, decisions, grpc);
+        if verdict.admits() {
+            verdict.admit(&mut req);
+            return ResponseFuture {
+                state: State::Calling {
+                    future: inner.call(req),
+                },
+                verdict: Some(verdict),
+            };
+        }
+        ResponseFuture {
+            state: State::Answered {
+                response: Some(verdict.denial()),
+            },
+            verdict: None,
+        }
+    }
+
+    /// A call that waits for the store's decision.
     pub(crate) fn check(
         config: Arc<Config>,
         targets: Targets,
         grpc: bool,
-        mut inner: S,
-        mut req: Request<B>,
+        inner: S,
+        req: Request<B>,
     ) -> Self {
-        // An in-process store decides on the spot: no boxed future, no extra state.
-        if let Some(decisions) = config.limiter.consume_now(&targets) {
-            let mut verdict = Verdict::new(config, targets, decisions, grpc);
-            if verdict.admits() {
-                verdict.admit(&mut req);
-                return ResponseFuture {
-                    state: State::Calling {
-                        future: inner.call(req),
-                    },
-                    verdict: Some(verdict),
-                };
-            }
-            return ResponseFuture {
-                state: State::Answered {
-                    response: Some(verdict.denial()),
-                },
-                verdict: None,
-            };
-        }
         let limiter = config.limiter.clone();
         let decision: BoxFuture<'static, Decided> = Box::pin(async move {
             let result = limiter.apply_indexed(Op::Consume, &targets).await;

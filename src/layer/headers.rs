@@ -61,18 +61,78 @@ static LEGACY: [HeaderName; 3] = [
 static POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-/// A header value for a number. Small numbers (most limits, remainders and resets) come from a
-/// table built once, and cloning one shares its bytes: no allocation per response.
+/// A header value for a number, without an allocation per response: small numbers (most
+/// limits, remainders and resets) come from a table built once; larger ones are written into a
+/// per-thread buffer that many values share (one allocation per few hundred values).
 pub(crate) fn number(n: u64) -> HeaderValue {
     const CACHED: u64 = 4096;
     static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
     if n < CACHED {
-        let table = SMALL.get_or_init(|| (0..CACHED).map(HeaderValue::from).collect());
+        // Values over one static text: cloning and dropping them touch no reference count.
+        let table = SMALL.get_or_init(|| {
+            let text: &'static str = (0..CACHED)
+                .map(|n| n.to_string())
+                .collect::<String>()
+                .leak();
+            let mut at = 0;
+            (0..CACHED)
+                .map(|n| {
+                    let len = if n < 10 { 1 } else { n.ilog10() as usize + 1 };
+                    let value = HeaderValue::from_static(&text[at..at + len]);
+                    at += len;
+                    value
+                })
+                .collect()
+        });
         if let Some(v) = table.get(n as usize) {
             return v.clone();
         }
     }
-    HeaderValue::from(n)
+    const ARENA: usize = 4096;
+    const RECENT: usize = 8;
+    thread_local! {
+        static DIGITS: std::cell::RefCell<bytes::BytesMut> =
+            std::cell::RefCell::new(bytes::BytesMut::new());
+        // The last large values written, by their low bits: a rule's limit repeats on every
+        // response.
+        static LAST: std::cell::RefCell<[(u64, Option<HeaderValue>); RECENT]> =
+            const { std::cell::RefCell::new([const { (0, None) }; RECENT]) };
+    }
+    let slot = n as usize % RECENT;
+    let recent = LAST.try_with(|last| match &last.borrow()[slot] {
+        (m, Some(v)) if *m == n => Some(v.clone()),
+        _ => None,
+    });
+    if let Ok(Some(v)) = recent {
+        return v;
+    }
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut rest = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    let text = &digits[at..];
+    let shared = DIGITS.try_with(|arena| {
+        let mut arena = arena.borrow_mut();
+        if arena.capacity() - arena.len() < text.len() {
+            *arena = bytes::BytesMut::with_capacity(ARENA);
+        }
+        arena.extend_from_slice(text);
+        arena.split().freeze()
+    });
+    let value = match shared {
+        Ok(bytes) => HeaderValue::from_maybe_shared(bytes).unwrap_or_else(|_| HeaderValue::from(n)),
+        // The thread is exiting: no buffer to share.
+        Err(_) => HeaderValue::from(n),
+    };
+    let _ = LAST.try_with(|last| last.borrow_mut()[slot] = (n, Some(value.clone())));
+    value
 }
 
 /// Whole seconds, rounded up: a client that waits this long is never early.
@@ -164,6 +224,17 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_render_in_decimal() {
+        for n in [0, 7, 4095, 4096, 999_999_999, u64::MAX] {
+            assert_eq!(number(n).to_str().unwrap(), n.to_string());
+        }
+        // Enough large values to pass through several buffers.
+        for n in 10_000..12_000u64 {
+            assert_eq!(number(n).to_str().unwrap(), n.to_string());
+        }
+    }
 
     #[test]
     fn rounding_is_up() {

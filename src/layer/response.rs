@@ -109,13 +109,29 @@ pub(crate) fn denied(
     response
 }
 
-fn json_body(d: &Decision) -> String {
+fn json_body(d: &Decision) -> Bytes {
     match d.retry_after {
-        Some(retry) => format!(
-            r#"{{"error":"rate_limited","retry_after_ms":{}}}"#,
-            ceil_millis(retry)
-        ),
-        None => r#"{"error":"cost_exceeds_limit","retry_after_ms":null}"#.to_owned(),
+        Some(retry) => {
+            // Written on the stack and copied once: a denial is the path an attacker drives.
+            use std::io::Write;
+            let mut text = [0u8; 64];
+            let mut rest = &mut text[..];
+            let written = write!(
+                rest,
+                r#"{{"error":"rate_limited","retry_after_ms":{}}}"#,
+                ceil_millis(retry)
+            );
+            let len = 64 - rest.len();
+            match written {
+                Ok(()) => Bytes::copy_from_slice(&text[..len]),
+                // Unreachable (20 digits at most fit), but never a truncated body.
+                Err(_) => Bytes::from(format!(
+                    r#"{{"error":"rate_limited","retry_after_ms":{}}}"#,
+                    ceil_millis(retry)
+                )),
+            }
+        }
+        None => Bytes::from_static(br#"{"error":"cost_exceeds_limit","retry_after_ms":null}"#),
     }
 }
 

@@ -55,13 +55,25 @@ where
             Plan::Pass => ResponseFuture::pass(self.inner.call(req)),
             Plan::NoKey => ResponseFuture::answer(super::verdict::no_key(grpc)),
             Plan::MissingKey => ResponseFuture::answer(super::verdict::missing_key(grpc)),
-            Plan::Check { targets } => {
-                // The inner service was driven to readiness; keep that instance for this call
-                // and leave a fresh clone behind (the Tower-documented pattern).
-                let clone = self.inner.clone();
-                let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::check(self.config.clone(), targets, grpc, inner, req)
-            }
+            Plan::Check { targets } => match self.config.limiter.consume_now(&targets) {
+                // Decided on the spot (an in-process store, a leased block, a remembered
+                // denial): the ready service is called now, as it would be without the layer.
+                Some(decisions) => ResponseFuture::decided(
+                    self.config.clone(),
+                    targets,
+                    decisions,
+                    grpc,
+                    &mut self.inner,
+                    req,
+                ),
+                None => {
+                    // The call waits for the store: keep the instance driven to readiness for
+                    // it and leave a fresh clone behind (the Tower-documented pattern).
+                    let clone = self.inner.clone();
+                    let inner = std::mem::replace(&mut self.inner, clone);
+                    ResponseFuture::check(self.config.clone(), targets, grpc, inner, req)
+                }
+            },
         }
     }
 }

@@ -217,6 +217,26 @@ impl Inner {
             .map(Some)
     }
 
+    /// Permits from the key's leased block, when it holds enough: no promotion, no refill (both
+    /// wait for the store; [`decide_leased`](Inner::decide_leased) does them).
+    pub(super) fn spend_leased(
+        &self,
+        index: usize,
+        check: &Check<'_>,
+        now: u64,
+    ) -> Option<Decision> {
+        if check.cost > check.rule.quota().capacity() {
+            return None;
+        }
+        self.leases.config(index)?;
+        let slots = self.leases.slots.load();
+        let slot = slots.get(&(index, check.key.clone()))?;
+        let decision = slot.block.load().spend(check.cost, now)?;
+        slot.last_used.store(now, Ordering::Relaxed);
+        let _rate = slot.rate.tick(now);
+        Some(decision)
+    }
+
     fn insert_slot(&self, key: SlotKey, now: u64) -> Arc<Slot> {
         let slot = Arc::new(Slot {
             block: ArcSwap::from_pointee(Block::empty()),

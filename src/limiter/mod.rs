@@ -702,11 +702,13 @@ impl Limiter {
         targets: &Targets,
     ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
         let inner = &self.inner;
-        if inner.policy.is_some() || targets.iter().any(|t| t.cost == 0) || !inner.leases.is_idle()
-        {
+        if targets.iter().any(|t| t.cost == 0) {
             return None;
         }
-        let started = Instant::now();
+        // A store that cannot fail decides everything here; one that can (Redis) only what a
+        // leased block or a remembered denial answers without it.
+        let in_process = inner.policy.is_none() && inner.leases.is_idle();
+        let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
         let rules = inner.rules.load();
         let overrides = inner.overrides.load();
         let decisions: smallvec::SmallVec<[Decision; 2]> = match targets {
@@ -716,12 +718,20 @@ impl Limiter {
                     key: &target.key,
                     cost: target.cost,
                 };
-                smallvec::smallvec![inner.store.check_in_process(Op::Consume, &check)?]
+                let decision = if in_process {
+                    inner.store.check_in_process(Op::Consume, &check)?
+                } else if inner.policy.is_some() {
+                    inner.decide_now(target.rule, &check)?
+                } else {
+                    return None;
+                };
+                smallvec::smallvec![decision]
             }
-            _ => {
+            _ if in_process => {
                 let checks = checks(&rules, &overrides, targets).ok()?;
                 inner.store.apply_in_process(Op::Consume, &checks)?.into()
             }
+            _ => return None,
         };
         inner.trace(targets, &decisions, started);
         inner.record(targets, &decisions, &rules);
@@ -759,7 +769,7 @@ impl Limiter {
         if targets.is_empty() {
             return Ok(Vec::new());
         }
-        let started = Instant::now();
+        let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
         let rules = self.inner.rules.load_full();
         let overrides = self.inner.overrides.load_full();
         let checks = checks(&rules, &overrides, targets)?;
@@ -910,6 +920,18 @@ impl Inner {
         self.rules.load().iter().position(|r| std::ptr::eq(r, rule))
     }
 
+    /// A single-rule consume decided without waiting: a remembered denial, or permits from a
+    /// leased block. `None`: ask the store ([`decide`](Inner::decide)).
+    fn decide_now(&self, index: usize, check: &Check<'_>) -> Option<Decision> {
+        // An overriding or per-request quota is decided by the store, as in `decide`.
+        if self.rule_index(check.rule)? != index {
+            return None;
+        }
+        let now = self.clock.now_us();
+        self.remembered(check, now)
+            .or_else(|| self.spend_leased(index, check, now))
+    }
+
     /// A remembered denial of this single-rule consume at `now`, if there is one.
     fn remembered(&self, check: &Check<'_>, now: u64) -> Option<Decision> {
         let index = self.rule_index(check.rule)?;
@@ -1005,10 +1027,11 @@ impl Inner {
     }
 
     /// One `debug` event per decision and rule, keys fingerprinted.
-    fn trace(&self, targets: &Targets, decisions: &[Decision], started: Instant) {
-        if !tracing::enabled!(tracing::Level::DEBUG) {
+    /// Log each decision at debug level; `started` is `None` when that level is off.
+    fn trace(&self, targets: &Targets, decisions: &[Decision], started: Option<Instant>) {
+        let Some(started) = started else {
             return;
-        }
+        };
         let latency_us = started.elapsed().as_micros() as u64;
         let rules = self.rules.load();
         for (t, d) in targets.iter().zip(decisions) {

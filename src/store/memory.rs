@@ -430,6 +430,11 @@ impl Inner {
     fn apply_one(&self, op: Op, check: &Check<'_>, now: u64) -> Decision {
         let hash = self.hash(check);
         let mut shard = lock(&self.shards[self.shard_of(hash)]);
+        if op == Op::Consume {
+            if let Some(decision) = shard.consume_held(check, hash, now) {
+                return decision;
+            }
+        }
         let (mut decision, place, undo) = shard.decide(op, check, hash, now, self, true);
         if op == Op::Consume && decision.allowed {
             decision.taken = Some(shard.commit(check, hash, now, place, &decision, self, true));
@@ -600,6 +605,28 @@ impl Shard {
         (decision, place, undo)
     }
 
+    /// The common case in one lookup and without allocating: a consume of a key whose state is
+    /// held under the same quota. Decides, then takes the permits or puts the state back, as
+    /// [`decide`](Shard::decide) and [`commit`](Shard::commit) do. `None`: take the long way.
+    fn consume_held(&mut self, check: &Check<'_>, hash: u64, now: u64) -> Option<Decision> {
+        let quota = check.rule.quota();
+        let entry = self.find(check, hash)?;
+        if !entry.state.fits(quota) || entry.state.converts(now, quota) {
+            return None;
+        }
+        let undo = Undo::of(&entry.state)?;
+        let mut decision = entry.state.decide(now, quota, check.cost);
+        if decision.allowed {
+            let used = used_share(&decision);
+            decision.taken = Some(entry.state.commit(now, quota, check.cost));
+            entry.expires_at = entry.state.expires_at(quota);
+            entry.used = used;
+        } else {
+            undo.restore(&mut entry.state);
+        }
+        Some(decision)
+    }
+
     /// Put back a state as it was before a decision that took nothing.
     fn restore(&mut self, check: &Check<'_>, hash: u64, before: Option<State>) {
         if let (Some(before), Some(entry)) = (before, self.find(check, hash)) {
@@ -725,6 +752,63 @@ impl Shard {
 }
 
 /// The state, made fresh if it belongs to another algorithm (a rule was reconfigured).
+/// A state as it was before a decision, to put back if nothing is taken; on the stack (it lives
+/// for one decision, so its size is no cost, and a box would be an allocation per request).
+#[allow(clippy::large_enum_variant)]
+enum Undo {
+    State(State),
+    Window {
+        start: u64,
+        period: u64,
+        valid_from: u64,
+        counts: smallvec::SmallVec<[u64; 32]>,
+    },
+    /// A log keeps its clean-up (as the script does): nothing to put back.
+    Nothing,
+}
+
+impl Undo {
+    /// `None` when the copy would allocate (a sliding window of more than 31 sub-windows).
+    fn of(state: &State) -> Option<Undo> {
+        Some(match state {
+            State::SlidingLog(_) => Undo::Nothing,
+            State::SlidingWindow(w) if w.counts.len() <= 32 => Undo::Window {
+                start: w.start,
+                period: w.period,
+                valid_from: w.valid_from,
+                counts: w.counts.iter().copied().collect(),
+            },
+            State::SlidingWindow(_) => return None,
+            other => Undo::State(other.clone()),
+        })
+    }
+
+    fn restore(self, state: &mut State) {
+        match (self, state) {
+            (Undo::State(before), state) => *state = before,
+            (
+                Undo::Window {
+                    start,
+                    period,
+                    valid_from,
+                    counts,
+                },
+                State::SlidingWindow(w),
+            ) => {
+                w.start = start;
+                w.period = period;
+                w.valid_from = valid_from;
+                if w.counts.len() == counts.len() {
+                    w.counts.copy_from_slice(&counts);
+                } else {
+                    w.counts = counts.as_slice().into();
+                }
+            }
+            (Undo::Window { .. }, _) | (Undo::Nothing, _) => {}
+        }
+    }
+}
+
 fn fitted<'s>(state: &'s mut State, quota: &Quota) -> &'s mut State {
     if !state.fits(quota) {
         *state = State::new(quota);
