@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # End-to-end figures, each printed as a ratio against a baseline measured in the same run.
-#   P4 layer:     the demo server (memory store) vs a bare axum hello-world and vs the same behind
-#                 tower_governor, loaded with wrk, on allowed and on denied traffic;
+#   P4 layer:     the demo server (memory store; its default algorithm and GCRA) vs a bare axum
+#                 hello-world and vs the same behind tower_governor keyed by peer IP, all with
+#                 tokio's default runtime (a worker per core), loaded with wrk -t1 -c64 (server on
+#                 core 0, wrk on core 1), on allowed and on denied traffic;
 #   P1 Redis:     Limiter decisions per second from one process vs redis-benchmark -P 16 running
 #                 EVALSHA of the same script on the same Redis (Redis's own ceiling);
 #   P2 hot key:   one key leased vs direct Redis.
 # Each measurement runs ROUNDS times, interleaved with its baseline (these machines are shared and
 # noisy; interleaving keeps drift out of the ratios), and the median is reported with min–max.
-# Starts and stops its own servers (loopback only; killed by PID on exit). About 3 minutes.
-# Usage: scripts/bench.sh [SECONDS_PER_RUN (default 3)] [ROUNDS (default 3)]
+# Starts and stops its own servers (loopback only; killed by PID on exit). About 4 minutes.
+# Usage: scripts/bench.sh [SECONDS_PER_RUN (default 4)] [ROUNDS (default 3)]
+#        scripts/bench.sh fleet [PROCESSES (default 4)] [SECONDS (default 5)]   (see fleet below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SECS=${1:-3}
+MODE=layer
+if [ "${1:-}" = fleet ]; then MODE=fleet; shift; fi
+SECS=${1:-4}
 ROUNDS=${2:-3}
 
 need() { command -v "$1" >/dev/null 2>&1; }
@@ -25,12 +30,75 @@ if ! need wrk || ! need redis-server || ! need redis-benchmark || ! need redis-c
   fi
 fi
 
-cargo build --release --quiet --example server --example baseline --example redis_load --example bench_chart
-BIN=target/release/examples
+# `scripts/bench.sh fleet [PROCESSES (default 4)] [SECONDS (default 5)]`: N processes of
+# examples/fleet_load, each with its own limiter on one redis-server, hammer 4 hot keys (a fixed
+# window of LIMIT per second each, leased with the defaults); the aggregate decisions per second,
+# the Redis calls per second, and per key and whole window the fleet's admitted total against
+# the limit (worst window, lowest utilisation).
+fleet() {
+  local procs=${1:-4} secs=${2:-5} limit=${FLEET_LIMIT:-500000} keys=4
+  cargo build --release --quiet --example fleet_load
+  local rport; rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no >/dev/null 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.05; done
+  local calls_before; calls_before=$(redis-cli -p "$rport" info stats | awk -F: '/^total_commands_processed/ {print $2+0}')
+  local dir; dir=$(mktemp -d)
+  local fleet_pids=()
+  for i in $(seq 1 "$procs"); do
+    target/release/examples/fleet_load --url "redis://127.0.0.1:$rport" --keys "$keys" \
+      --limit "$limit" --seconds "$secs" >"$dir/$i.out" 2>"$dir/$i.err" &
+    fleet_pids+=($!); PIDS+=($!)
+  done
+  local failed=0
+  for p in "${fleet_pids[@]}"; do wait "$p" || failed=1; done
+  if [ "$failed" = 1 ]; then cat "$dir"/*.err >&2; echo "a fleet process failed" >&2; exit 1; fi
+  local calls_after; calls_after=$(redis-cli -p "$rport" info stats | awk -F: '/^total_commands_processed/ {print $2+0}')
+  python3 - "$dir" "$procs" "$limit" "$((calls_after - calls_before))" <<'PY'
+import glob, sys
+d, procs, limit, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+decisions = admitted = lease_calls = 0; secs = 0.0; windows = {}; spans = []
+for f in sorted(glob.glob(d + "/*.out")):
+    mine = set()
+    for line in open(f):
+        w = line.split()
+        if w[0] == "decisions":
+            decisions += int(w[1]); admitted += int(w[3]); lease_calls += int(w[5]); secs = max(secs, float(w[7]))
+        elif w[0] == "window":
+            key, end, n = int(w[1]), int(w[2]), int(w[3])
+            windows[(key, end)] = windows.get((key, end), 0) + n; mine.add(end)
+    spans.append((min(mine), max(mine)))
+# Whole windows only: those every process ran through from start to end.
+first = max(lo for lo, _ in spans) + 1; last = min(hi for _, hi in spans) - 1
+whole = {k: n for k, n in windows.items() if first <= k[1] <= last}
+over = sum(1 for n in whole.values() if n > limit)
+worst = max(whole.values(), default=0); least = min(whole.values(), default=0)
+print(f"fleet: {procs} processes, {len(set(k for k, _ in windows))} hot keys, fixed window of {limit:,}/s each, leased (LeaseConfig::auto()), {secs:.1f} s")
+print()
+print("| measured | value | target |")
+print("|---|---:|---|")
+print(f"| decisions per second, all processes | {decisions / secs:,.0f} | ≥ 1,000,000 |")
+print(f"| of which admitted, per second | {admitted / secs:,.0f} | (information) |")
+print(f"| Redis commands per second | {calls / secs:,.0f} ({lease_calls:,} lease calls) | (information) |")
+print(f"| whole windows over the limit | {over} of {len(whole)} | 0 |")
+print(f"| worst window, admitted / limit | {worst:,} / {limit:,} ({worst / limit:.2%}) | ≤ 100% |")
+print(f"| least-used window, admitted / limit | {least:,} / {limit:,} ({least / limit:.2%}) | ≥ 95% |")
+PY
+  rm -rf "$dir"
+}
+
 
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
+
+if [ "$MODE" = fleet ]; then
+  fleet "${1:-4}" "${2:-5}"
+  exit 0
+fi
+
+cargo build --release --quiet --example server --example baseline --example redis_load --example bench_chart
+BIN=target/release/examples
 
 # Servers on core 0, load generators on core 1, when there are two cores to separate.
 SERVER_CPU=(); LOAD_CPU=()
@@ -65,17 +133,29 @@ row() {
 }
 
 echo "measuring the layer (wrk, ${SECS}s per run, ${ROUNDS} rounds)..." >&2
-bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""
+# The demo server as a user runs it (memory store, its defaults) and with GCRA; a limit no run
+# reaches for allowed traffic, one spent by the first request for denied traffic. GCRA spaces
+# requests at least a microsecond apart, so its "no run reaches it" is a million a second.
+bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""; gcra=""; gcra_denied=""
 for _ in $(seq 1 "$ROUNDS"); do
   start "$BIN/baseline" --kind bare --port 0;                 bare+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/server" --port 0 --limit 1000000000 --period 1s; demo+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/baseline" --kind governor --port 0;             gov+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  start "$BIN/server" --port 0 --algorithm gcra --limit 1000000 --period 1s
+  gcra+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/baseline" --kind governor --denied --port 0;    gov_denied+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/server" --port 0 --limit 1 --period 1h;          demo_denied+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  start "$BIN/server" --port 0 --algorithm gcra --limit 1 --period 1h
+  gcra_denied+=" $(wrk_rps "$LAST_PORT")"; stop_last
 done
-row "demo server, memory store, allowed (req/s)" "$demo" "bare axum" "$bare" "≥ 0.90"
-row "demo server, memory store, allowed (req/s)" "$demo" "tower_governor" "$gov" "≥ 0.95"
-row "demo server, memory store, denied (req/s)" "$demo_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
+row "demo server, default algorithm, allowed (req/s)" "$demo" "bare axum" "$bare" "≥ 0.90"
+row "demo server, default algorithm, allowed (req/s)" "$demo" "tower_governor" "$gov" "≥ 0.95"
+row "demo server, GCRA, allowed (req/s)" "$gcra" "bare axum" "$bare" "≥ 0.90"
+row "demo server, GCRA, allowed (req/s)" "$gcra" "tower_governor" "$gov" "≥ 0.95"
+row "demo server, default algorithm, denied (req/s)" "$demo_denied" "bare axum" "$bare" "≥ 0.90"
+row "demo server, default algorithm, denied (req/s)" "$demo_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
+row "demo server, GCRA, denied (req/s)" "$gcra_denied" "bare axum" "$bare" "≥ 0.90"
+row "demo server, GCRA, denied (req/s)" "$gcra_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
 
 echo "measuring Redis..." >&2
 RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
