@@ -24,22 +24,33 @@ pub struct SystemClock;
 
 struct Anchor {
     epoch_us: u64,
-    at: quanta::Instant,
+    /// A clock of our own, read raw: `quanta::Instant::now` looks for a mocked clock on every
+    /// read.
+    clock: quanta::Clock,
+    at_raw: u64,
 }
 
 static ANCHOR: std::sync::OnceLock<Anchor> = std::sync::OnceLock::new();
 
 impl Clock for SystemClock {
     fn now_us(&self) -> u64 {
-        let anchor = ANCHOR.get_or_init(|| Anchor {
-            // A clock set before 1970 reads as the epoch rather than panicking.
-            epoch_us: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_micros() as u64),
-            at: quanta::Instant::now(),
+        let anchor = ANCHOR.get_or_init(|| {
+            let clock = quanta::Clock::new();
+            let at_raw = clock.raw();
+            Anchor {
+                // A clock set before 1970 reads as the epoch rather than panicking.
+                epoch_us: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros() as u64),
+                clock,
+                at_raw,
+            }
         });
-        let since = quanta::Instant::now().saturating_duration_since(anchor.at);
-        anchor.epoch_us + since.as_micros() as u64
+        // Zero, not a wrapped difference, if a counter read on another core is behind.
+        let since_ns = anchor
+            .clock
+            .delta_as_nanos(anchor.at_raw, anchor.clock.raw());
+        anchor.epoch_us + since_ns / 1_000
     }
 }
 

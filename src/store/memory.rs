@@ -116,11 +116,12 @@ struct Shard {
     overflow: Vec<(Arc<str>, State, u64)>,
 }
 
-/// Kept small (no cached hash, the key's bytes boxed): a table of many keys is bound by cache
-/// misses, and smaller entries miss less.
+/// Kept small (no cached hash): a table of many keys is bound by cache misses, and smaller
+/// entries miss less. The key is held as a [`Key`]: inline up to 37 bytes, so finding an entry
+/// touches the entry alone, not a second allocation.
 struct Entry {
     rule: Arc<str>,
-    key: Box<[u8]>,
+    key: Key,
     state: State,
     /// From this time on the state equals a fresh one and can be dropped.
     expires_at: u64,
@@ -488,9 +489,13 @@ impl Inner {
 
 /// The share of its capacity a decision says is used, in 1/65535ths.
 fn used_share(d: &Decision) -> u16 {
-    let limit = u128::from(d.limit.max(1));
-    let used = u128::from(d.limit.saturating_sub(d.remaining));
-    (used * u128::from(USED_SCALE) / limit) as u16
+    let limit = d.limit.max(1);
+    let used = d.limit.saturating_sub(d.remaining);
+    match used.checked_mul(USED_SCALE) {
+        // 64-bit division: a 128-bit one is a library call, on every decision.
+        Some(scaled) => (scaled / limit) as u16,
+        None => (u128::from(used) * u128::from(USED_SCALE) / u128::from(limit)) as u16,
+    }
 }
 
 impl Shard {
@@ -498,7 +503,7 @@ impl Shard {
         let rule = check.rule.shared_name();
         let key = check.key.as_bytes();
         self.table.find_mut(hash, |e| {
-            *e.key == *key && (Arc::ptr_eq(&e.rule, rule) || *e.rule == **rule)
+            e.key.as_bytes() == key && (Arc::ptr_eq(&e.rule, rule) || *e.rule == **rule)
         })
     }
 
@@ -614,7 +619,7 @@ impl Shard {
         if !entry.state.fits(quota) || entry.state.converts(now, quota) {
             return None;
         }
-        let undo = Undo::of(&entry.state)?;
+        let undo = Undo::of(&entry.state, now, quota)?;
         let mut decision = entry.state.decide(now, quota, check.cost);
         if decision.allowed {
             let used = used_share(&decision);
@@ -705,12 +710,12 @@ impl Shard {
             hash,
             Entry {
                 rule: check.rule.shared_name().clone(),
-                key: check.key.as_bytes().into(),
+                key: check.key.clone(),
                 state,
                 expires_at,
                 used,
             },
-            |e| hasher.hash_one((&*e.rule, &*e.key)),
+            |e| hasher.hash_one((&*e.rule, e.key.as_bytes())),
         );
     }
 
@@ -752,59 +757,29 @@ impl Shard {
 }
 
 /// The state, made fresh if it belongs to another algorithm (a rule was reconfigured).
-/// A state as it was before a decision, to put back if nothing is taken; on the stack (it lives
-/// for one decision, so its size is no cost, and a box would be an allocation per request).
-#[allow(clippy::large_enum_variant)]
+/// A state as it was before a decision, to put back if nothing is taken.
 enum Undo {
     State(State),
-    Window {
-        start: u64,
-        period: u64,
-        valid_from: u64,
-        counts: smallvec::SmallVec<[u64; 32]>,
-    },
-    /// A log keeps its clean-up (as the script does): nothing to put back.
+    /// The decision changes nothing: a log keeps its clean-up (as the script does), and a
+    /// sliding window in its current sub-window does not roll.
     Nothing,
 }
 
 impl Undo {
-    /// `None` when the copy would allocate (a sliding window of more than 31 sub-windows).
-    fn of(state: &State) -> Option<Undo> {
+    /// `None` when putting the state back would cost an allocation (a sliding window about to
+    /// roll, once per sub-window): the long way does it.
+    fn of(state: &State, now: u64, quota: &Quota) -> Option<Undo> {
         Some(match state {
             State::SlidingLog(_) => Undo::Nothing,
-            State::SlidingWindow(w) if w.counts.len() <= 32 => Undo::Window {
-                start: w.start,
-                period: w.period,
-                valid_from: w.valid_from,
-                counts: w.counts.iter().copied().collect(),
-            },
+            State::SlidingWindow(w) if w.is_current(now, quota) => Undo::Nothing,
             State::SlidingWindow(_) => return None,
             other => Undo::State(other.clone()),
         })
     }
 
     fn restore(self, state: &mut State) {
-        match (self, state) {
-            (Undo::State(before), state) => *state = before,
-            (
-                Undo::Window {
-                    start,
-                    period,
-                    valid_from,
-                    counts,
-                },
-                State::SlidingWindow(w),
-            ) => {
-                w.start = start;
-                w.period = period;
-                w.valid_from = valid_from;
-                if w.counts.len() == counts.len() {
-                    w.counts.copy_from_slice(&counts);
-                } else {
-                    w.counts = counts.as_slice().into();
-                }
-            }
-            (Undo::Window { .. }, _) | (Undo::Nothing, _) => {}
+        if let Undo::State(before) = self {
+            *state = before;
         }
     }
 }
@@ -1041,7 +1016,7 @@ impl Store for MemoryStore {
         let name = rule.shared_name();
         if let Ok(entry) = shard
             .table
-            .find_entry(hash, |e| *e.key == *key.as_bytes() && *e.rule == **name)
+            .find_entry(hash, |e| e.key == *key && *e.rule == **name)
         {
             entry.remove();
         }
