@@ -21,6 +21,11 @@ fn app() -> Router {
     Router::new().route("/", get(|| async { "ok" }))
 }
 
+/// A router as `axum::serve` runs it: its handlers made into services once, not per request.
+fn served(router: Router) -> Router {
+    router.with_state(())
+}
+
 fn fleetlimit_app(allowed: bool) -> Router {
     let quota = if allowed {
         Quota::per_second(1_000_000)
@@ -33,7 +38,7 @@ fn fleetlimit_app(allowed: bool) -> Router {
         .rule(Rule::new("bench", quota.build().unwrap()).unwrap())
         .build()
         .unwrap();
-    app().layer(RateLimitLayer::new(limiter))
+    served(app().layer(RateLimitLayer::new(limiter)))
 }
 
 fn governor_app(allowed: bool) -> Router {
@@ -44,7 +49,7 @@ fn governor_app(allowed: bool) -> Router {
         config.per_second(3600).burst_size(1);
     }
     let config = config.finish().unwrap();
-    app().layer(GovernorLayer::new(config))
+    served(app().layer(GovernorLayer::new(config)))
 }
 
 fn run(rt: &tokio::runtime::Runtime, app: &Router, iters: u64) -> Duration {
@@ -69,7 +74,7 @@ fn layer(c: &mut Criterion) {
     let mut group = c.benchmark_group("layer");
     group.warm_up_time(Duration::from_millis(500));
     group.measurement_time(Duration::from_secs(2));
-    let bare = app();
+    let bare = served(app());
     group.bench_function("bare", |b| b.iter_custom(|iters| run(&rt, &bare, iters)));
     for (traffic, allowed) in [("allowed", true), ("denied", false)] {
         let ours = fleetlimit_app(allowed);

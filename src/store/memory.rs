@@ -619,7 +619,7 @@ impl Shard {
         if !entry.state.fits(quota) || entry.state.converts(now, quota) {
             return None;
         }
-        let undo = Undo::of(&entry.state, now, quota)?;
+        let undo = Undo::of(&entry.state);
         let mut decision = entry.state.decide(now, quota, check.cost);
         if decision.allowed {
             let used = used_share(&decision);
@@ -760,21 +760,19 @@ impl Shard {
 /// A state as it was before a decision, to put back if nothing is taken.
 enum Undo {
     State(State),
-    /// The decision changes nothing: a log keeps its clean-up (as the script does), and a
-    /// sliding window in its current sub-window does not roll.
+    /// Nothing to put back: a log keeps its clean-up (as the script does), and a sliding
+    /// window keeps its roll to the current sub-window. Rolling is only bringing the state up to
+    /// date: it changes no decision, and it is what the next decision would do anyway (putting
+    /// it back made every refused request of a key roll it again, and copy its counts to do so).
     Nothing,
 }
 
 impl Undo {
-    /// `None` when putting the state back would cost an allocation (a sliding window about to
-    /// roll, once per sub-window): the long way does it.
-    fn of(state: &State, now: u64, quota: &Quota) -> Option<Undo> {
-        Some(match state {
-            State::SlidingLog(_) => Undo::Nothing,
-            State::SlidingWindow(w) if w.is_current(now, quota) => Undo::Nothing,
-            State::SlidingWindow(_) => return None,
+    fn of(state: &State) -> Undo {
+        match state {
+            State::SlidingLog(_) | State::SlidingWindow(_) => Undo::Nothing,
             other => Undo::State(other.clone()),
-        })
+        }
     }
 
     fn restore(self, state: &mut State) {
