@@ -8,7 +8,7 @@
 //! half of its limit. When every entry of a shard has used more than that, new keys share one
 //! overflow state per rule (or are refused; see [`Overflow`]) until entries expire.
 //!
-//! Memory per entry: about 100 bytes plus the key (the README has the measured figure).
+//! Memory per entry: about 120 bytes with the key inline (the README has the measured figure).
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
