@@ -61,21 +61,23 @@ static LEGACY: [HeaderName; 3] = [
 static POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+/// Numbers below this come from a static table.
+const SMALL_NUMBERS: u64 = 4096;
+
 /// A header value for a number, without an allocation per response: small numbers (most
 /// limits, remainders and resets) come from a table built once; larger ones are written into a
 /// per-thread buffer that many values share (one allocation per few hundred values).
 pub(crate) fn number(n: u64) -> HeaderValue {
-    const CACHED: u64 = 4096;
     static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
-    if n < CACHED {
+    if n < SMALL_NUMBERS {
         // Values over one static text: cloning and dropping them touch no reference count.
         let table = SMALL.get_or_init(|| {
-            let text: &'static str = (0..CACHED)
+            let text: &'static str = (0..SMALL_NUMBERS)
                 .map(|n| n.to_string())
                 .collect::<String>()
                 .leak();
             let mut at = 0;
-            (0..CACHED)
+            (0..SMALL_NUMBERS)
                 .map(|n| {
                     let len = if n < 10 { 1 } else { n.ilog10() as usize + 1 };
                     let value = HeaderValue::from_static(&text[at..at + len]);
@@ -89,22 +91,9 @@ pub(crate) fn number(n: u64) -> HeaderValue {
         }
     }
     const ARENA: usize = 4096;
-    const RECENT: usize = 8;
     thread_local! {
         static DIGITS: std::cell::RefCell<bytes::BytesMut> =
             std::cell::RefCell::new(bytes::BytesMut::new());
-        // The last large values written, by their low bits: a rule's limit repeats on every
-        // response.
-        static LAST: std::cell::RefCell<[(u64, Option<HeaderValue>); RECENT]> =
-            const { std::cell::RefCell::new([const { (0, None) }; RECENT]) };
-    }
-    let slot = n as usize % RECENT;
-    let recent = LAST.try_with(|last| match &last.borrow()[slot] {
-        (m, Some(v)) if *m == n => Some(v.clone()),
-        _ => None,
-    });
-    if let Ok(Some(v)) = recent {
-        return v;
     }
     let mut digits = [0u8; 20];
     let mut at = digits.len();
@@ -126,11 +115,33 @@ pub(crate) fn number(n: u64) -> HeaderValue {
         arena.extend_from_slice(text);
         arena.split().freeze()
     });
-    let value = match shared {
+    match shared {
         Ok(bytes) => HeaderValue::from_maybe_shared(bytes).unwrap_or_else(|_| HeaderValue::from(n)),
         // The thread is exiting: no buffer to share.
         Err(_) => HeaderValue::from(n),
-    };
+    }
+}
+
+/// [`number`] for a value that repeats on every response (a rule's limit): the last few
+/// written are kept per thread, by their low bits.
+pub(crate) fn repeated_number(n: u64) -> HeaderValue {
+    const RECENT: usize = 8;
+    thread_local! {
+        static LAST: std::cell::RefCell<[(u64, Option<HeaderValue>); RECENT]> =
+            const { std::cell::RefCell::new([const { (0, None) }; RECENT]) };
+    }
+    if n < SMALL_NUMBERS {
+        return number(n);
+    }
+    let slot = n as usize % RECENT;
+    let recent = LAST.try_with(|last| match &last.borrow()[slot] {
+        (m, Some(v)) if *m == n => Some(v.clone()),
+        _ => None,
+    });
+    if let Ok(Some(v)) = recent {
+        return v;
+    }
+    let value = number(n);
     let _ = LAST.try_with(|last| last.borrow_mut()[slot] = (n, Some(value.clone())));
     value
 }
@@ -167,7 +178,7 @@ impl HeaderStyle {
             HeaderStyle::None => return,
         };
         headers.reserve(3);
-        headers.insert(names[0].clone(), number(governing.limit));
+        headers.insert(names[0].clone(), repeated_number(governing.limit));
         headers.insert(names[1].clone(), number(governing.remaining));
         headers.insert(names[2].clone(), number(ceil_secs(governing.reset_after)));
     }
@@ -229,6 +240,7 @@ mod tests {
     fn numbers_render_in_decimal() {
         for n in (0..5_000).chain([999_999_999, u64::MAX]) {
             assert_eq!(number(n).to_str().unwrap(), n.to_string());
+            assert_eq!(repeated_number(n).to_str().unwrap(), n.to_string());
         }
         // Enough large values to pass through several buffers.
         for n in 10_000..12_000u64 {
