@@ -299,3 +299,57 @@ async fn the_penalty_box_blocks_repeat_offenders_longer_each_time() {
     })
     .await;
 }
+
+/// Through the layer on Redis, refusals the denial cache answers count towards the penalty box
+/// like the store's own: the third refusal blocks the client (a cached refusal is answered in
+/// the call, but one that earns a block waits for the store to record it).
+#[tokio::test]
+async fn refusals_answered_from_the_denial_cache_earn_the_penalty_too() {
+    use axum::body::Body;
+    use axum::extract::ConnectInfo;
+    use fleetlimit::{Penalty, RateLimitLayer};
+    use tower::ServiceExt;
+
+    let server = RedisServer::start();
+    let store = RedisStore::builder().connect(&server.url()).await.unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(
+            Rule::new(
+                "api",
+                Quota::per_hour(3)
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap(),
+        )
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .penalty(Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(120),
+        ))
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(RateLimitLayer::new(limiter.clone()));
+    let peer = std::net::SocketAddr::from(([203, 0, 113, 9], 5000));
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        let mut req = http::Request::get("/").body(Body::empty()).unwrap();
+        req.extensions_mut().insert(ConnectInfo(peer));
+        statuses.push(app.clone().oneshot(req).await.unwrap().status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429]);
+    let listing = limiter
+        .inspect(&Key::from(peer.ip()))
+        .await
+        .unwrap()
+        .listing;
+    assert!(
+        matches!(listing, Some(Listing::Block(left)) if left > Duration::from_secs(110)),
+        "the third refusal blocked the client: {listing:?}"
+    );
+}

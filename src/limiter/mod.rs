@@ -928,8 +928,13 @@ impl Inner {
             return None;
         }
         let now = self.clock.now_us();
-        self.remembered(check, now)
-            .or_else(|| self.spend_leased(index, check, now))
+        // A refusal may earn a penalty, and blocking a key waits for the store: with a penalty
+        // box, remembered denials are answered by `decide`, which can wait.
+        let remembered = match self.penalties {
+            Some(_) => None,
+            None => self.remembered(check, now),
+        };
+        remembered.or_else(|| self.spend_leased(index, check, now))
     }
 
     /// A remembered denial of this single-rule consume at `now`, if there is one.
