@@ -208,3 +208,98 @@ async fn real_server_over_tcp_in_every_header_style() {
         assert!(denied.contains("retry-after: "), "{denied}");
     }
 }
+
+/// An inner service whose readiness reserves a slot (as `tower::limit::ConcurrencyLimit` holds
+/// a permit from `poll_ready` to `call`): a refusal must not leave the slot held by the
+/// instance the layer keeps for the next request.
+#[tokio::test]
+async fn a_refusal_releases_what_the_inner_service_reserved_when_ready() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::task::{Context, Poll};
+    use tower::Service;
+
+    /// Counts reserved slots; a slot is reserved by `poll_ready` and given back by `call` or
+    /// when the instance holding it is dropped. A clone holds nothing.
+    struct Reserving {
+        held: Arc<AtomicUsize>,
+        mine: bool,
+    }
+    impl Clone for Reserving {
+        fn clone(&self) -> Self {
+            Reserving {
+                held: self.held.clone(),
+                mine: false,
+            }
+        }
+    }
+    impl Drop for Reserving {
+        fn drop(&mut self) {
+            if self.mine {
+                self.held.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+    impl Service<Request<Body>> for Reserving {
+        type Response = axum::response::Response;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            if !self.mine {
+                self.mine = true;
+                self.held.fetch_add(1, Ordering::SeqCst);
+            }
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _: Request<Body>) -> Self::Future {
+            if std::mem::take(&mut self.mine) {
+                self.held.fetch_sub(1, Ordering::SeqCst);
+            }
+            std::future::ready(Ok(axum::response::Response::new(Body::empty())))
+        }
+    }
+
+    let held = Arc::new(AtomicUsize::new(0));
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(Rule::new("api", Quota::per_hour(1).build().unwrap()).unwrap())
+        .build()
+        .unwrap();
+    let mut svc = tower::Layer::layer(
+        &RateLimitLayer::new(limiter),
+        Reserving {
+            held: held.clone(),
+            mine: false,
+        },
+    );
+    let request = || {
+        let mut req = Request::get("/").body(Body::empty()).unwrap();
+        req.extensions_mut()
+            .insert(axum::extract::ConnectInfo(SocketAddr::from((
+                [198, 51, 100, 4],
+                1,
+            ))));
+        req
+    };
+    let statuses = [
+        svc.ready()
+            .await
+            .unwrap()
+            .call(request())
+            .await
+            .unwrap()
+            .status(),
+        svc.ready()
+            .await
+            .unwrap()
+            .call(request())
+            .await
+            .unwrap()
+            .status(),
+    ];
+    assert_eq!(statuses, [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]);
+    assert_eq!(
+        held.load(Ordering::SeqCst),
+        0,
+        "the refused request's reservation was given back"
+    );
+}

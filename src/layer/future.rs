@@ -70,7 +70,9 @@ impl<S, B> ResponseFuture<S, B>
 where
     S: Service<Request<B>>,
 {
-    /// A call decided on the spot: no boxed future, no extra state.
+    /// A call decided on the spot: no boxed future, no extra state. `inner` is the instance
+    /// driven ready: it is called if the request is admitted, and otherwise replaced by a fresh
+    /// clone, so whatever its readiness reserved (a `ConcurrencyLimit` permit) is released.
     pub(crate) fn decided(
         config: Arc<Config>,
         targets: Targets,
@@ -78,7 +80,10 @@ where
         grpc: bool,
         inner: &mut S,
         mut req: Request<B>,
-    ) -> Self {
+    ) -> Self
+    where
+        S: Clone,
+    {
         let mut verdict = Verdict::new(config, targets, decisions, grpc);
         if verdict.admits() {
             verdict.admit(&mut req);
@@ -89,6 +94,7 @@ where
                 verdict: Some(verdict),
             };
         }
+        release_readiness(inner);
         ResponseFuture {
             state: State::Answered {
                 response: Some(verdict.denial()),
@@ -140,6 +146,13 @@ where
             verdict: None,
         }
     }
+}
+
+/// Drop the instance driven ready without calling it (Tower's way to give back what its
+/// readiness reserved), leaving a fresh clone in its place.
+pub(crate) fn release_readiness<S: Clone>(inner: &mut S) {
+    let fresh = inner.clone();
+    drop(std::mem::replace(inner, fresh));
 }
 
 impl<S, B, ResBody> Future for ResponseFuture<S, B>

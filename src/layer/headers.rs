@@ -66,7 +66,8 @@ const SMALL_NUMBERS: u64 = 4096;
 
 /// A header value for a number, without an allocation per response: small numbers (most
 /// limits, remainders and resets) come from a table built once; larger ones are written into a
-/// per-thread buffer that many values share (one allocation per few hundred values).
+/// per-thread buffer that many values share (one allocation per hundred or so values; a value
+/// kept beyond its response keeps that 1 KiB buffer).
 pub(crate) fn number(n: u64) -> HeaderValue {
     static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
     if n < SMALL_NUMBERS {
@@ -90,7 +91,8 @@ pub(crate) fn number(n: u64) -> HeaderValue {
             return v.clone();
         }
     }
-    const ARENA: usize = 4096;
+    // Small, because a value kept (a cached response) keeps its whole buffer alive.
+    const ARENA: usize = 1024;
     thread_local! {
         static DIGITS: std::cell::RefCell<bytes::BytesMut> =
             std::cell::RefCell::new(bytes::BytesMut::new());

@@ -53,8 +53,14 @@ where
         let req = Request::from_parts(parts, body);
         match plan {
             Plan::Pass => ResponseFuture::pass(self.inner.call(req)),
-            Plan::NoKey => ResponseFuture::answer(super::verdict::no_key(grpc)),
-            Plan::MissingKey => ResponseFuture::answer(super::verdict::missing_key(grpc)),
+            Plan::NoKey => {
+                super::future::release_readiness(&mut self.inner);
+                ResponseFuture::answer(super::verdict::no_key(grpc))
+            }
+            Plan::MissingKey => {
+                super::future::release_readiness(&mut self.inner);
+                ResponseFuture::answer(super::verdict::missing_key(grpc))
+            }
             Plan::Check { targets } => match self.config.limiter.consume_now(&targets) {
                 // Decided on the spot (an in-process store, a leased block, a remembered
                 // denial): the ready service is called now, as it would be without the layer.

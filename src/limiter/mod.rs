@@ -928,13 +928,12 @@ impl Inner {
             return None;
         }
         let now = self.clock.now_us();
-        // A refusal may earn a penalty, and blocking a key waits for the store: with a penalty
-        // box, remembered denials are answered by `decide`, which can wait.
-        let remembered = match self.penalties {
-            Some(_) => None,
-            None => self.remembered(check, now),
-        };
-        remembered.or_else(|| self.spend_leased(index, check, now))
+        if let Some(denied) = self.remembered(check, now) {
+            // A refusal may earn a penalty, and blocking a key waits for the store: with a
+            // penalty box, `decide` answers it (it can wait), as it answers it first.
+            return self.penalties.is_none().then_some(denied);
+        }
+        self.spend_leased(index, check, now)
     }
 
     /// A remembered denial of this single-rule consume at `now`, if there is one.

@@ -619,7 +619,7 @@ impl Shard {
         if !entry.state.fits(quota) || entry.state.converts(now, quota) {
             return None;
         }
-        let undo = Undo::of(&entry.state);
+        let undo = Undo::of(&entry.state, now, quota)?;
         let mut decision = entry.state.decide(now, quota, check.cost);
         if decision.allowed {
             let used = used_share(&decision);
@@ -757,27 +757,63 @@ impl Shard {
 }
 
 /// The state, made fresh if it belongs to another algorithm (a rule was reconfigured).
-/// A state as it was before a decision, to put back if nothing is taken.
+/// A state as it was before a decision, to put back if nothing is taken (as the Redis script
+/// writes back nothing then): on the stack, since it lives for one decision.
+#[allow(clippy::large_enum_variant)]
 enum Undo {
     State(State),
-    /// Nothing to put back: a log keeps its clean-up (as the script does), and a sliding
-    /// window keeps its roll to the current sub-window. Rolling is only bringing the state up to
-    /// date: it changes no decision, and it is what the next decision would do anyway (putting
-    /// it back made every refused request of a key roll it again, and copy its counts to do so).
+    /// A sliding window about to roll to a new sub-window.
+    Window {
+        start: u64,
+        period: u64,
+        valid_from: u64,
+        counts: smallvec::SmallVec<[u64; 32]>,
+    },
+    /// The decision changes nothing: a log keeps its clean-up (as the script does), and a
+    /// sliding window in its current sub-window does not roll.
     Nothing,
 }
 
 impl Undo {
-    fn of(state: &State) -> Undo {
-        match state {
-            State::SlidingLog(_) | State::SlidingWindow(_) => Undo::Nothing,
+    /// `None` when the copy would allocate (a window of more than 31 sub-windows about to
+    /// roll): the long way does it.
+    fn of(state: &State, now: u64, quota: &Quota) -> Option<Undo> {
+        Some(match state {
+            State::SlidingLog(_) => Undo::Nothing,
+            State::SlidingWindow(w) if w.is_current(now, quota) => Undo::Nothing,
+            State::SlidingWindow(w) if w.counts.len() <= 32 => Undo::Window {
+                start: w.start,
+                period: w.period,
+                valid_from: w.valid_from,
+                counts: w.counts.iter().copied().collect(),
+            },
+            State::SlidingWindow(_) => return None,
             other => Undo::State(other.clone()),
-        }
+        })
     }
 
     fn restore(self, state: &mut State) {
-        if let Undo::State(before) = self {
-            *state = before;
+        match (self, state) {
+            (Undo::State(before), state) => *state = before,
+            (
+                Undo::Window {
+                    start,
+                    period,
+                    valid_from,
+                    counts,
+                },
+                State::SlidingWindow(w),
+            ) => {
+                w.start = start;
+                w.period = period;
+                w.valid_from = valid_from;
+                if w.counts.len() == counts.len() {
+                    w.counts.copy_from_slice(&counts);
+                } else {
+                    w.counts = counts.as_slice().into();
+                }
+            }
+            (Undo::Window { .. } | Undo::Nothing, _) => {}
         }
     }
 }
