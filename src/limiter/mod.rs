@@ -695,8 +695,9 @@ impl Limiter {
         }
     }
 
-    /// Decide a consume right now when the store is in process and nothing (leasing) needs a
-    /// future; `None` means "await [`apply_indexed`](Limiter::apply_indexed)".
+    /// Decide a consume right now, without a future: everything on an in-process store; on one
+    /// that can fail, a single-rule consume a leased block or a remembered denial answers.
+    /// `None` means "await [`apply_indexed`](Limiter::apply_indexed)".
     pub(crate) fn consume_now(
         &self,
         targets: &Targets,
@@ -1030,8 +1031,8 @@ impl Inner {
         }
     }
 
-    /// One `debug` event per decision and rule, keys fingerprinted.
-    /// Log each decision at debug level; `started` is `None` when that level is off.
+    /// One `debug` event per decision and rule, keys fingerprinted; `started` is `None` when
+    /// that level is off.
     fn trace(&self, targets: &Targets, decisions: &[Decision], started: Option<Instant>) {
         let Some(started) = started else {
             return;
