@@ -70,16 +70,6 @@ impl SlidingWindow {
 
     /// Bring the state to `now` under `quota`: converted if it was written under another
     /// alignment, rolled forward to the sub-window holding `now`.
-    /// Whether a decision at `now` leaves the state as it is: same quota, same sub-window.
-    pub(crate) fn is_current(&self, now: u64, quota: &Quota) -> bool {
-        let n = quota.sub_windows();
-        let width = quota.period_us() / n.max(1);
-        self.period == quota.period_us()
-            && self.counts.len() as u64 == n + 1
-            && width > 0
-            && now - now % width <= self.start
-    }
-
     fn roll(&mut self, now: u64, quota: &Quota) {
         let period = quota.period_us();
         let n = quota.sub_windows();

@@ -114,6 +114,10 @@ struct Shard {
     /// with its expiry. Kept until it expires, not only while the shard is full: a key that
     /// leaves it for an entry of its own starts from it (see [`Shard::fresh`]).
     overflow: Vec<(Arc<str>, State, u64)>,
+    /// The latest time a decision in this shard was made at (µs). Time read before taking the
+    /// lock can be older than a decision already made under it; such a request is decided at
+    /// this time instead, so states only ever move forward (see [`Shard::at`]).
+    latest: u64,
 }
 
 /// Kept small (no cached hash): a table of many keys is bound by cache misses, and smaller
@@ -215,6 +219,7 @@ impl MemoryStore {
                 };
                 let hash = inner.hash(&check);
                 let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
+                let now = shard.at(now);
                 let quota = r.rule.quota();
                 match shard.find(&check, hash) {
                     // A receipt refunds only state of its own algorithm.
@@ -323,6 +328,7 @@ impl MemoryStoreBuilder {
                             hasher,
                             next_sweep: FIRST_SWEEP.min(shard_capacity),
                             overflow: Vec::new(),
+                            latest: 0,
                         })
                     })
                     .collect(),
@@ -431,6 +437,7 @@ impl Inner {
     fn apply_one(&self, op: Op, check: &Check<'_>, now: u64) -> Decision {
         let hash = self.hash(check);
         let mut shard = lock(&self.shards[self.shard_of(hash)]);
+        let now = shard.at(now);
         if op == Op::Consume {
             if let Some(decision) = shard.consume_held(check, hash, now) {
                 return decision;
@@ -454,6 +461,10 @@ impl Inner {
         order.dedup();
         let mut guards: Vec<MutexGuard<'_, Shard>> =
             order.iter().map(|&i| lock(&self.shards[i])).collect();
+        let now = guards.iter().fold(now, |now, shard| now.max(shard.latest));
+        for shard in guards.iter_mut() {
+            shard.latest = now;
+        }
         // Make room once, before anything is decided: a sweep between deciding one check and
         // committing another could evict the state a decision was made on.
         for shard in guards.iter_mut() {
@@ -499,6 +510,16 @@ fn used_share(d: &Decision) -> u16 {
 }
 
 impl Shard {
+    /// The time to decide at, under the shard's lock: `now`, or the latest time a decision here
+    /// was made at if that is later. Two threads read the clock before taking the lock, so the
+    /// later reading can be decided first; deciding the other one at an earlier time would judge
+    /// it against a state already brought to the later time (a sliding window already rolled
+    /// on), which can count less than is there.
+    fn at(&mut self, now: u64) -> u64 {
+        self.latest = self.latest.max(now);
+        self.latest
+    }
+
     fn find(&mut self, check: &Check<'_>, hash: u64) -> Option<&mut Entry> {
         let rule = check.rule.shared_name();
         let key = check.key.as_bytes();
@@ -619,7 +640,7 @@ impl Shard {
         if !entry.state.fits(quota) || entry.state.converts(now, quota) {
             return None;
         }
-        let undo = Undo::of(&entry.state, now, quota)?;
+        let undo = Undo::of(&entry.state);
         let mut decision = entry.state.decide(now, quota, check.cost);
         if decision.allowed {
             let used = used_share(&decision);
@@ -757,63 +778,28 @@ impl Shard {
 }
 
 /// The state, made fresh if it belongs to another algorithm (a rule was reconfigured).
-/// A state as it was before a decision, to put back if nothing is taken (as the Redis script
-/// writes back nothing then): on the stack, since it lives for one decision.
-#[allow(clippy::large_enum_variant)]
+/// A state as it was before a decision, to put back if nothing is taken.
 enum Undo {
     State(State),
-    /// A sliding window about to roll to a new sub-window.
-    Window {
-        start: u64,
-        period: u64,
-        valid_from: u64,
-        counts: smallvec::SmallVec<[u64; 32]>,
-    },
-    /// The decision changes nothing: a log keeps its clean-up (as the script does), and a
-    /// sliding window in its current sub-window does not roll.
+    /// Nothing to put back: a log keeps its clean-up (as the script does), and a sliding window
+    /// keeps its roll to the current sub-window. Rolling only brings the state up to date: every
+    /// later decision in the shard is made at this time or after ([`Shard::at`]), and would
+    /// roll it the same way, so keeping it changes no decision (the script, which runs on one
+    /// clock, writes nothing back instead). Putting it back made every refusal roll it again.
     Nothing,
 }
 
 impl Undo {
-    /// `None` when the copy would allocate (a window of more than 31 sub-windows about to
-    /// roll): the long way does it.
-    fn of(state: &State, now: u64, quota: &Quota) -> Option<Undo> {
-        Some(match state {
-            State::SlidingLog(_) => Undo::Nothing,
-            State::SlidingWindow(w) if w.is_current(now, quota) => Undo::Nothing,
-            State::SlidingWindow(w) if w.counts.len() <= 32 => Undo::Window {
-                start: w.start,
-                period: w.period,
-                valid_from: w.valid_from,
-                counts: w.counts.iter().copied().collect(),
-            },
-            State::SlidingWindow(_) => return None,
+    fn of(state: &State) -> Undo {
+        match state {
+            State::SlidingLog(_) | State::SlidingWindow(_) => Undo::Nothing,
             other => Undo::State(other.clone()),
-        })
+        }
     }
 
     fn restore(self, state: &mut State) {
-        match (self, state) {
-            (Undo::State(before), state) => *state = before,
-            (
-                Undo::Window {
-                    start,
-                    period,
-                    valid_from,
-                    counts,
-                },
-                State::SlidingWindow(w),
-            ) => {
-                w.start = start;
-                w.period = period;
-                w.valid_from = valid_from;
-                if w.counts.len() == counts.len() {
-                    w.counts.copy_from_slice(&counts);
-                } else {
-                    w.counts = counts.as_slice().into();
-                }
-            }
-            (Undo::Window { .. } | Undo::Nothing, _) => {}
+        if let Undo::State(before) = self {
+            *state = before;
         }
     }
 }
@@ -856,6 +842,7 @@ impl MemoryStore {
         }
         let hash = inner.hash(&check);
         let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
+        let now = shard.at(now);
         let max_validity_us = max_validity.as_micros().min(u128::from(u64::MAX / 4)) as u64;
         let granted = shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
             let granted = state.lease(now, quota, check.cost, max_validity_us);
@@ -1096,6 +1083,35 @@ mod tests {
             .shards(1)
             .build()
             .unwrap()
+    }
+
+    /// Two requests read the clock before taking the shard's lock; the later reading may be
+    /// decided first. The earlier one is then decided at the later time, against the state that
+    /// decision left, never against a state brought forward and read backwards.
+    #[test]
+    fn a_decision_never_goes_back_in_time() {
+        const T0: u64 = 1_900_000_000_000_000; // whole seconds
+        let clock = ManualClock::new(T0);
+        let s = store(&clock, 100);
+        let window = rule("w", Algorithm::SlidingWindow, 10);
+        let key = Key::new("k");
+        let check = |cost| Check {
+            rule: &window,
+            key: &key,
+            cost,
+        };
+        // 5 in the last sub-window of the first second.
+        clock.set(T0 + 980_000);
+        assert!(s.check(Op::Consume, &check(5)).allowed);
+        // A request decided 10 ms into the next second rolls the window on.
+        clock.set(T0 + 1_010_000);
+        assert!(s.check(Op::Consume, &check(1)).allowed);
+        let now = s.check(Op::Peek, &check(1));
+        // One that read the clock 15 ms earlier, decided after it, sees the same state.
+        clock.set(T0 + 995_000);
+        let late = s.check(Op::Peek, &check(1));
+        assert_eq!(late.remaining, now.remaining);
+        assert_eq!(late.reset_after, now.reset_after);
     }
 
     #[test]
