@@ -146,6 +146,31 @@ async fn never_more_than_the_limit_in_flight_across_two_instances() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(held(), Some(0), "no slot left in Redis");
+    // The slots script runs by its hash: once a node has loaded it, its text never travels
+    // again, however many acquires and releases follow.
+    let calls = |command: &str| {
+        let stats = server.info("commandstats").unwrap();
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = (calls("evalsha"), calls("eval"));
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let again = || {
+        ConcurrencyLimiter::builder(store.clone(), "in-flight", 3)
+            .on_store_error(OnStoreError::fail_closed())
+            .deadline(Duration::from_secs(2))
+            .build()
+            .unwrap()
+    };
+    fleet(again(), again(), "redis, the script loaded").await;
+    let (by_hash, with_text) = (calls("evalsha") - before.0, calls("eval") - before.1);
+    assert!(
+        by_hash >= 20 && with_text == 0,
+        "{by_hash} EVALSHA and {with_text} EVAL for 20 more requests"
+    );
 }
 
 /// A request dropped mid-way (the client went away) gives its slot back.

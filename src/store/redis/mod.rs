@@ -89,6 +89,9 @@ pub struct RedisStore {
 struct Inner {
     conn: Conn,
     script: Script,
+    /// The hashes of the small scripts (listings, concurrency slots), run with EVALSHA.
+    listing_hash: Box<str>,
+    slots_hash: Box<str>,
     prefix: Box<str>,
     connect_timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
@@ -261,6 +264,8 @@ impl RedisStoreBuilder {
             inner: Arc::new(Inner {
                 conn,
                 script: Script::new(SCRIPT),
+                listing_hash: Script::new(LISTING_SCRIPT).get_hash().into(),
+                slots_hash: Script::new(SLOTS_SCRIPT).get_hash().into(),
                 prefix: self.prefix.into(),
                 connect_timeout: self.connect_timeout,
                 clock: self.clock,
@@ -862,7 +867,39 @@ impl Inner {
 
     /// One plain command (pauses, listings, slots, resets; decisions go through the script).
     async fn command<T: FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
-        match self.connection().await? {
+        self.query(cmd).await?.map_err(store_error)
+    }
+
+    /// One call of a small script by its hash (`EVALSHA`, then the whole text with `EVAL` if
+    /// the node answering has not loaded it yet, as after a restart or a failover): the text
+    /// travels once per node, not on every call. `keys_and_args` are the script's `numkeys`,
+    /// keys and arguments.
+    async fn run_script<T: FromRedisValue>(
+        &self,
+        (text, hash): (&'static str, &str),
+        keys_and_args: impl Fn(&mut redis::Cmd),
+    ) -> Result<T, StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(hash);
+        keys_and_args(&mut cmd);
+        match self.query(cmd).await? {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(text);
+                keys_and_args(&mut cmd);
+                self.command(cmd).await
+            }
+            result => result.map_err(store_error),
+        }
+    }
+
+    /// `cmd` on the store's connection: no connection is the outer error, Redis's answer the
+    /// inner result.
+    async fn query<T: FromRedisValue>(
+        &self,
+        cmd: redis::Cmd,
+    ) -> Result<redis::RedisResult<T>, StoreError> {
+        Ok(match self.connection().await? {
             Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
             Ready::Cluster(mut conn) => {
                 let result = cmd.query_async(&mut conn).await;
@@ -877,8 +914,7 @@ impl Inner {
                 result
             }
             Ready::Shared(mut conn) => self.on_shared(cmd.query_async(&mut conn)).await,
-        }
-        .map_err(store_error)
+        })
     }
 
     /// A node that stopped answering (a master killed before its replica took over): the next
@@ -919,17 +955,18 @@ impl Inner {
         op: &str,
         block_us: u64,
     ) -> Result<Option<Listing>, StoreError> {
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(LISTING_SCRIPT)
-            .arg(1)
-            .arg(listing_key(&self.prefix, key))
-            .arg(op);
-        match &self.clock {
-            Some(clock) => cmd.arg(clock.now_us()),
-            None => cmd.arg(""),
-        };
-        cmd.arg(block_us);
-        let (kind, left_us): (String, i64) = self.command(cmd).await?;
+        let listing_key = listing_key(&self.prefix, key);
+        let now = self.clock.as_ref().map(|c| c.now_us());
+        let (kind, left_us): (String, i64) = self
+            .run_script((LISTING_SCRIPT, &self.listing_hash), |cmd| {
+                cmd.arg(1).arg(&listing_key).arg(op);
+                match now {
+                    Some(now) => cmd.arg(now),
+                    None => cmd.arg(""),
+                };
+                cmd.arg(block_us);
+            })
+            .await?;
         Ok(match kind.as_str() {
             "allow" => Some(Listing::Allow),
             "deny" => Some(Listing::Deny),
@@ -1157,23 +1194,26 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(bool, u64), StoreError>> {
         Box::pin(async move {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(SLOTS_SCRIPT)
-                .arg(1)
-                .arg(slots_key(&self.inner.prefix, name, key))
-                .arg(match op {
-                    SlotOp::Acquire => "acquire",
-                    SlotOp::Renew => "renew",
-                    SlotOp::Release => "release",
-                });
-            match &self.inner.clock {
-                Some(clock) => cmd.arg(clock.now_us()),
-                None => cmd.arg(""),
+            let inner = &self.inner;
+            let slots_key = slots_key(&inner.prefix, name, key);
+            let op = match op {
+                SlotOp::Acquire => "acquire",
+                SlotOp::Renew => "renew",
+                SlotOp::Release => "release",
             };
-            cmd.arg(format!("{slot:016x}"))
-                .arg(limit)
-                .arg(ttl.as_micros().clamp(1, u128::from(u64::MAX / 4)) as u64);
-            let (done, held): (i64, i64) = self.inner.command(cmd).await?;
+            let now = inner.clock.as_ref().map(|c| c.now_us());
+            let slot = format!("{slot:016x}");
+            let ttl_us = ttl.as_micros().clamp(1, u128::from(u64::MAX / 4)) as u64;
+            let (done, held): (i64, i64) = inner
+                .run_script((SLOTS_SCRIPT, &inner.slots_hash), |cmd| {
+                    cmd.arg(1).arg(&slots_key).arg(op);
+                    match now {
+                        Some(now) => cmd.arg(now),
+                        None => cmd.arg(""),
+                    };
+                    cmd.arg(&slot).arg(limit).arg(ttl_us);
+                })
+                .await?;
             Ok((done == 1, u64::try_from(held).unwrap_or(0)))
         })
     }
