@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example baseline -- --kind bare|governor [--denied] [--port 0]
+//! cargo run --release --example baseline -- --kind busy --busy-us N [--port 0]
 //! cargo run --release --example baseline -- --print-script
 //! cargo run --release --example baseline -- --print-args     # KEY ARG... of one decision
 //! ```
@@ -58,6 +59,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = Router::new().route("/", get(|| async { "ok" }));
     let app = match value("--kind").as_deref() {
         Some("bare") => app,
+        // A handler that keeps the CPU busy for N µs before answering: what a layer's cost is
+        // worth end to end, in handler time (a scale for the ratios, not a competitor).
+        Some("busy") => {
+            let busy = std::time::Duration::from_micros(
+                value("--busy-us").ok_or("--kind busy needs --busy-us N")?.parse()?,
+            );
+            Router::new().route(
+                "/",
+                get(move || async move {
+                    let started = std::time::Instant::now();
+                    while started.elapsed() < busy {
+                        std::hint::spin_loop();
+                    }
+                    "ok"
+                }),
+            )
+        }
         Some("governor") => {
             let mut config = GovernorConfigBuilder::default();
             if has("--denied") {
@@ -67,7 +85,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             app.layer(GovernorLayer::new(config.finish().ok_or("governor config")?))
         }
-        _ => return Err("usage: baseline --kind bare|governor [--denied] [--port N] | --print-script | --print-args".into()),
+        _ => return Err("usage: baseline --kind bare|governor|busy [--denied] [--busy-us N] [--port N] | --print-script | --print-args".into()),
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on http://{}", listener.local_addr()?);

@@ -9,7 +9,8 @@
 #   P2 hot key:   one key leased vs direct Redis.
 # Each measurement runs ROUNDS times, interleaved with its baseline (these machines are shared and
 # noisy; interleaving keeps drift out of the ratios), and the median is reported with min–max.
-# Starts and stops its own servers (loopback only; killed by PID on exit). About 4 minutes.
+# Starts and stops its own servers (loopback only; killed by PID on exit). About 5 minutes.
+# Two more rows give a scale: the bare server with a handler busy 1 and 2 µs per request.
 # Usage: scripts/bench.sh [SECONDS_PER_RUN (default 4)] [ROUNDS (default 3)]
 #        scripts/bench.sh fleet [PROCESSES (default 4)] [SECONDS (default 5)]   (see fleet below)
 set -euo pipefail
@@ -136,9 +137,12 @@ echo "measuring the layer (wrk, ${SECS}s per run, ${ROUNDS} rounds)..." >&2
 # The demo server as a user runs it (memory store, its defaults) and with GCRA; a limit no run
 # reaches for allowed traffic, one spent by the first request for denied traffic. GCRA spaces
 # requests at least a microsecond apart, so its "no run reaches it" is a million a second.
-bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""; gcra=""; gcra_denied=""
+bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""; gcra=""; gcra_denied=""; busy1=""; busy2=""
 for _ in $(seq 1 "$ROUNDS"); do
   start "$BIN/baseline" --kind bare --port 0;                 bare+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  # A scale: what 1 and 2 µs of handler work cost in the same run.
+  start "$BIN/baseline" --kind busy --busy-us 1 --port 0;     busy1+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  start "$BIN/baseline" --kind busy --busy-us 2 --port 0;     busy2+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/server" --port 0 --limit 1000000000 --period 1s; demo+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/baseline" --kind governor --port 0;             gov+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/server" --port 0 --algorithm gcra --limit 1000000 --period 1s
@@ -156,6 +160,8 @@ row "demo server, default algorithm, denied (req/s)" "$demo_denied" "bare axum" 
 row "demo server, default algorithm, denied (req/s)" "$demo_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
 row "demo server, GCRA, denied (req/s)" "$gcra_denied" "bare axum" "$bare" "≥ 0.90"
 row "demo server, GCRA, denied (req/s)" "$gcra_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
+row "bare axum, handler busy 1 µs (req/s)" "$busy1" "bare axum" "$bare" "(scale)"
+row "bare axum, handler busy 2 µs (req/s)" "$busy2" "bare axum" "$bare" "(scale)"
 
 echo "measuring Redis..." >&2
 RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
