@@ -27,6 +27,53 @@ pub const DEFAULT_SUB_WINDOWS: u64 = 20;
 /// The most sub-windows a sliding window counter may have (state and script time grow with it).
 pub const MAX_SUB_WINDOWS: u64 = 100;
 
+/// A divisor a quota fixes, divided by with two multiplications: a hardware 64-bit division
+/// takes tens of cycles, and a decision made several of them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Divisor(strength_reduce::StrengthReducedU64);
+
+impl Divisor {
+    /// `d`; 1 for 0 (a divisor the quota's algorithm does not divide by).
+    fn new(d: u64) -> Divisor {
+        Divisor(strength_reduce::StrengthReducedU64::new(d.max(1)))
+    }
+
+    pub(crate) fn get(self) -> u64 {
+        self.0.get()
+    }
+}
+
+impl std::ops::Div<Divisor> for u64 {
+    type Output = u64;
+
+    fn div(self, d: Divisor) -> u64 {
+        self / d.0
+    }
+}
+
+impl std::ops::Rem<Divisor> for u64 {
+    type Output = u64;
+
+    fn rem(self, d: Divisor) -> u64 {
+        self % d.0
+    }
+}
+
+// Made from the quota's other fields: equal when they are.
+impl PartialEq for Divisor {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl Eq for Divisor {}
+
+impl std::hash::Hash for Divisor {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.get().hash(state);
+    }
+}
+
 /// How the sliding window counter counts the sub-window sliding out of the period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -153,6 +200,12 @@ pub struct Quota {
     sub_windows: u64,
     /// How the sliding window counter counts the sub-window sliding out.
     estimate: WindowEstimate,
+    /// Divisors of every decision, made once: GCRA's emission interval, the sliding window
+    /// counter's sub-window in µs and in ms, and the capacity (`burst`).
+    emission: Divisor,
+    sub_window: Divisor,
+    sub_window_ms: Divisor,
+    capacity: Divisor,
 }
 
 impl Quota {
@@ -233,6 +286,26 @@ impl Quota {
 
     pub(crate) fn emission_us(&self) -> u64 {
         self.emission_us
+    }
+
+    /// [`emission_us`](Quota::emission_us), to divide by.
+    pub(crate) fn emission(&self) -> Divisor {
+        self.emission
+    }
+
+    /// The sliding window counter's sub-window (µs), to divide by.
+    pub(crate) fn sub_window(&self) -> Divisor {
+        self.sub_window
+    }
+
+    /// The sliding window counter's sub-window (whole ms), to divide by.
+    pub(crate) fn sub_window_ms(&self) -> Divisor {
+        self.sub_window_ms
+    }
+
+    /// [`capacity`](Quota::capacity), to divide by.
+    pub(crate) fn capacity_divisor(&self) -> Divisor {
+        self.capacity
     }
 
     pub(crate) fn token_units(&self) -> u64 {
@@ -432,6 +505,7 @@ impl QuotaBuilder {
                 )?;
             }
         }
+        let sub_window_us = period_us / sub_windows;
         Ok(Quota {
             limit,
             period_us,
@@ -442,6 +516,10 @@ impl QuotaBuilder {
             refill_units,
             sub_windows,
             estimate,
+            emission: Divisor::new(emission_us),
+            sub_window: Divisor::new(sub_window_us),
+            sub_window_ms: Divisor::new(sub_window_us / 1000),
+            capacity: Divisor::new(burst),
         })
     }
 }
@@ -449,6 +527,40 @@ impl QuotaBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn divisors_divide_exactly() {
+        let divisors = [
+            1,
+            2,
+            3,
+            7,
+            10,
+            1_000,
+            1_024,
+            999_999,
+            1 << 40,
+            u64::MAX / 3,
+            u64::MAX,
+        ];
+        let numerators = [0, 1, 2, 999, 1_000, 1_001, 1 << 50, u64::MAX - 1, u64::MAX];
+        for d in divisors {
+            for n in numerators.into_iter().chain([
+                d - 1,
+                d,
+                d.saturating_add(1),
+                d.saturating_mul(3) / 2,
+            ]) {
+                let by = Divisor::new(d);
+                assert_eq!((n / by, n % by), (n / d, n % d), "{n} / {d}");
+            }
+        }
+        assert_eq!(
+            Divisor::new(0).get(),
+            1,
+            "an unused divisor is 1, never a panic"
+        );
+    }
 
     #[test]
     fn valid_quotas_build() {

@@ -44,13 +44,14 @@ impl Gcra {
         }
         let tat = self.tat.max(now);
         let ahead = tat - now;
-        let remaining = horizon.saturating_sub(ahead) / t;
+        let remaining = horizon.saturating_sub(ahead) / quota.emission();
         if cost > burst {
             return never(burst, remaining, ahead);
         }
         let new_ahead = ahead + cost * t;
         if new_ahead <= horizon {
-            Decision::admit(burst, (horizon - new_ahead) / t, us(new_ahead))
+            // (horizon − new_ahead) / t, as horizon − ahead ≥ cost × t here.
+            Decision::admit(burst, remaining - cost, us(new_ahead))
         } else {
             Decision::deny(burst, remaining, us(ahead), Some(us(new_ahead - horizon)))
         }

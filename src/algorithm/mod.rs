@@ -96,6 +96,7 @@ impl State {
         }
     }
 
+    #[inline]
     pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) -> Taken {
         match self {
             State::FixedWindow(s) => s.commit(now, cost),
@@ -121,6 +122,7 @@ impl State {
         }
     }
 
+    #[inline]
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
         match self {
             State::FixedWindow(s) => s.expires_at(quota),

@@ -52,6 +52,16 @@ impl SlidingWindow {
         }
     }
 
+    /// [`width`](SlidingWindow::width), read from `quota` when the state was written under it
+    /// (no division).
+    fn width_under(&self, quota: &Quota) -> u64 {
+        if self.period == quota.period_us() && self.counts.len() as u64 == quota.sub_windows() + 1 {
+            quota.sub_window().get()
+        } else {
+            self.width()
+        }
+    }
+
     /// Permits still counted at `now` (by the quota the state was written under).
     fn still_counted(&self, now: u64) -> u64 {
         let (width, len) = (self.width(), self.counts.len() as u64);
@@ -73,7 +83,7 @@ impl SlidingWindow {
     fn roll(&mut self, now: u64, quota: &Quota) {
         let period = quota.period_us();
         let n = quota.sub_windows();
-        let width = period / n;
+        let width = quota.sub_window();
         let window = now - now % width;
         if self.period != period || self.counts.len() as u64 != n + 1 {
             let still = self.still_counted(now);
@@ -120,15 +130,15 @@ impl SlidingWindow {
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         self.roll(now, quota);
         let period = quota.period_us();
-        let width = period / quota.sub_windows();
-        let w_ms = width / 1000;
+        let width = quota.sub_window().get();
+        let w_ms = quota.sub_window_ms().get();
         let limit = quota.limit();
         let weighted = self.weighted(now, quota, w_ms);
         let capacity = limit * w_ms;
-        let remaining = capacity.saturating_sub(weighted) / w_ms;
-        let reset_after = self.empty_from(now).saturating_sub(now);
+        let remaining = capacity.saturating_sub(weighted) / quota.sub_window_ms();
+        let reset_after = || self.empty_from(now, width).saturating_sub(now);
         if cost > limit {
-            return never(limit, remaining, reset_after);
+            return never(limit, remaining, reset_after());
         }
         if weighted + cost * w_ms <= capacity {
             // Taking the permits makes the current sub-window non-empty: full again once it has
@@ -137,13 +147,13 @@ impl SlidingWindow {
             return Decision::admit(limit, remaining - cost, us(reset));
         }
         let retry = self.retry_at(quota, cost).saturating_sub(now);
-        Decision::deny(limit, remaining, us(reset_after), Some(us(retry)))
+        Decision::deny(limit, remaining, us(reset_after()), Some(us(retry)))
     }
 
     /// The earliest time a request of `cost` is admitted if nothing else arrives.
     fn retry_at(&self, quota: &Quota, cost: u64) -> u64 {
-        let width = quota.period_us() / quota.sub_windows();
-        let w_ms = width / 1000;
+        let width = quota.sub_window().get();
+        let w_ms = quota.sub_window_ms().get();
         let limit = quota.limit();
         // `ahead` sub-windows from now, the counts have moved `ahead` places: the oldest is
         // counts[ahead], and its weight falls as that sub-window goes on:
@@ -170,9 +180,9 @@ impl SlidingWindow {
         self.start + self.counts.len() as u64 * width
     }
 
-    /// From when nothing is counted: the newest non-empty sub-window has slid out.
-    fn empty_from(&self, now: u64) -> u64 {
-        let width = self.width();
+    /// From when nothing is counted: the newest non-empty sub-window has slid out (`width`: the
+    /// state's sub-window).
+    fn empty_from(&self, now: u64, width: u64) -> u64 {
         let len = self.counts.len() as u64;
         match self.counts.iter().rposition(|&c| c > 0) {
             Some(i) => self.start - (len - 1 - i as u64) * width + self.period + width,
@@ -214,9 +224,11 @@ impl SlidingWindow {
     /// sub-window, so they must be spent within it (the estimate assumes its permits were).
     /// Returns the permits and until when they are valid.
     pub(crate) fn lease(&mut self, now: u64, quota: &Quota, max: u64) -> (u64, u64) {
-        let width = quota.period_us() / quota.sub_windows();
-        let w_ms = width / 1000;
-        let room = (quota.limit() * w_ms).saturating_sub(self.weighted(now, quota, w_ms)) / w_ms;
+        let width = quota.sub_window().get();
+        let w_ms = quota.sub_window_ms();
+        let room =
+            (quota.limit() * w_ms.get()).saturating_sub(self.weighted(now, quota, w_ms.get()))
+                / w_ms;
         let permits = max.min(room);
         if let Some(current) = self.counts.last_mut() {
             *current += permits;
@@ -224,9 +236,9 @@ impl SlidingWindow {
         (permits, self.start + width)
     }
 
-    pub(crate) fn expires_at(&self, _quota: &Quota) -> u64 {
+    pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
         if self.counts.iter().any(|&c| c > 0) {
-            self.empty_from(0)
+            self.empty_from(0, self.width_under(quota))
         } else {
             0
         }

@@ -498,12 +498,13 @@ impl Inner {
     }
 }
 
-/// The share of its capacity a decision says is used, in 1/65535ths.
-fn used_share(d: &Decision) -> u16 {
+/// The share of its capacity a decision under `quota` says is used, in 1/65535ths.
+fn used_share(d: &Decision, quota: &crate::Quota) -> u16 {
     let limit = d.limit.max(1);
     let used = d.limit.saturating_sub(d.remaining);
     match used.checked_mul(USED_SCALE) {
-        // 64-bit division: a 128-bit one is a library call, on every decision.
+        // The quota's divisor, made once: a division on every decision costs tens of cycles.
+        Some(scaled) if d.limit == quota.capacity() => (scaled / quota.capacity_divisor()) as u16,
         Some(scaled) => (scaled / limit) as u16,
         None => (u128::from(used) * u128::from(USED_SCALE) / u128::from(limit)) as u16,
     }
@@ -522,9 +523,8 @@ impl Shard {
 
     fn find(&mut self, check: &Check<'_>, hash: u64) -> Option<&mut Entry> {
         let rule = check.rule.shared_name();
-        let key = check.key.as_bytes();
         self.table.find_mut(hash, |e| {
-            e.key.as_bytes() == key && (Arc::ptr_eq(&e.rule, rule) || *e.rule == **rule)
+            e.key == *check.key && (Arc::ptr_eq(&e.rule, rule) || *e.rule == **rule)
         })
     }
 
@@ -622,7 +622,7 @@ impl Shard {
             let expires_at = state.expires_at(quota);
             if let Some(entry) = self.find(check, hash) {
                 entry.expires_at = expires_at;
-                entry.used = entry.used.max(used_share(&decision));
+                entry.used = entry.used.max(used_share(&decision, quota));
             }
         }
         if op != Op::Consume && decision.allowed {
@@ -643,7 +643,7 @@ impl Shard {
         let undo = Undo::of(&entry.state);
         let mut decision = entry.state.decide(now, quota, check.cost);
         if decision.allowed {
-            let used = used_share(&decision);
+            let used = used_share(&decision, quota);
             decision.taken = Some(entry.state.commit(now, quota, check.cost));
             entry.expires_at = entry.state.expires_at(quota);
             entry.used = used;
@@ -674,7 +674,7 @@ impl Shard {
         may_sweep: bool,
     ) -> crate::Taken {
         let quota = check.rule.quota();
-        let used = used_share(decision);
+        let used = used_share(decision, quota);
         if place == Place::Overflow {
             let (_, state, expires_at) = self.overflow_state(check);
             let taken = state.commit(now, quota, check.cost);
@@ -721,7 +721,7 @@ impl Shard {
         let state = fitted(&mut entry.state, quota);
         let out = f(state);
         entry.expires_at = entry.state.expires_at(quota);
-        entry.used = used_share(&peek(&mut entry.state, now, quota));
+        entry.used = used_share(&peek(&mut entry.state, now, quota), quota);
         Some(out)
     }
 
