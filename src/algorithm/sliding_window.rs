@@ -36,6 +36,9 @@ pub(crate) struct SlidingWindow {
     /// Permits taken per sub-window, oldest first: the one sliding out, then the `n` the period
     /// spans, the last being the current one. Empty for a fresh state.
     pub(crate) counts: Box<[u64]>,
+    /// The sum of `counts[1..]` (all but the sub-window sliding out), kept as they change so a
+    /// decision does not add them up.
+    pub(crate) newer: u64,
     /// The period (µs) the sub-windows were aligned to; 0 for a fresh state.
     pub(crate) period: u64,
     /// Receipts from before this time (µs) refund nothing: the state was created or converted
@@ -92,6 +95,7 @@ impl SlidingWindow {
             *self = SlidingWindow {
                 start: window,
                 counts: counts.into_boxed_slice(),
+                newer: still,
                 period,
                 valid_from: if self.period != 0 {
                     now
@@ -111,6 +115,7 @@ impl SlidingWindow {
                 self.counts.rotate_left(steps);
                 self.counts[len - steps..].fill(0);
             }
+            self.newer = self.counts.iter().skip(1).sum();
             self.start = window;
         }
     }
@@ -122,9 +127,9 @@ impl SlidingWindow {
             WindowEstimate::Bounded => 0,
             _ => (now.saturating_sub(self.start) / 1000).min(w_ms),
         };
-        let newer: u64 = self.counts[1..].iter().sum();
+        debug_assert_eq!(self.newer, self.counts.iter().skip(1).sum::<u64>());
         // Every term is at most limit × B, which the quota keeps exact.
-        self.counts[0] * (w_ms - elapsed_ms) + newer * w_ms
+        self.counts[0] * (w_ms - elapsed_ms) + self.newer * w_ms
     }
 
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
@@ -191,10 +196,19 @@ impl SlidingWindow {
     }
 
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
-        if let Some(current) = self.counts.last_mut() {
-            *current += cost;
-        }
+        self.count_now(cost);
         self.taken(now, cost)
+    }
+
+    /// Count `n` more permits in the current sub-window.
+    fn count_now(&mut self, n: u64) {
+        let len = self.counts.len();
+        if let Some(current) = self.counts.last_mut() {
+            *current += n;
+            if len > 1 {
+                self.newer += n;
+            }
+        }
     }
 
     /// A receipt for `cost` permits counted at `now`, in the current sub-window.
@@ -215,8 +229,12 @@ impl SlidingWindow {
         let back = ((self.start - window) / width) as usize;
         let len = self.counts.len();
         if back < len {
-            let count = &mut self.counts[len - 1 - back];
-            *count = count.saturating_sub(taken.cost);
+            let i = len - 1 - back;
+            let before = self.counts[i];
+            self.counts[i] = before.saturating_sub(taken.cost);
+            if i > 0 {
+                self.newer -= before - self.counts[i];
+            }
         }
     }
 
@@ -230,14 +248,13 @@ impl SlidingWindow {
             (quota.limit() * w_ms.get()).saturating_sub(self.weighted(now, quota, w_ms.get()))
                 / w_ms;
         let permits = max.min(room);
-        if let Some(current) = self.counts.last_mut() {
-            *current += permits;
-        }
+        self.count_now(permits);
         (permits, self.start + width)
     }
 
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
-        if self.counts.iter().any(|&c| c > 0) {
+        debug_assert_eq!(self.newer, self.counts.iter().skip(1).sum::<u64>());
+        if self.newer > 0 || self.counts.first().is_some_and(|&c| c > 0) {
             self.empty_from(0, self.width_under(quota))
         } else {
             0
