@@ -280,22 +280,11 @@ async fn a_refusal_releases_what_the_inner_service_reserved_when_ready() {
             ))));
         req
     };
-    let statuses = [
-        svc.ready()
-            .await
-            .unwrap()
-            .call(request())
-            .await
-            .unwrap()
-            .status(),
-        svc.ready()
-            .await
-            .unwrap()
-            .call(request())
-            .await
-            .unwrap()
-            .status(),
-    ];
+    let mut statuses = Vec::new();
+    for _ in 0..2 {
+        let response = svc.ready().await.unwrap().call(request()).await.unwrap();
+        statuses.push(response.status());
+    }
     assert_eq!(statuses, [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]);
     assert_eq!(
         held.load(Ordering::SeqCst),

@@ -636,6 +636,15 @@ async fn follow_redirections(
     result
 }
 
+/// A small script's "now" argument: the store's own clock, or empty for Redis's (one clock for
+/// the fleet).
+fn arg_now(cmd: &mut redis::Cmd, now: Option<u64>) {
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+}
+
 /// The script on one node (after `ASKING` when `asking`): by its hash, and by its text only if
 /// that node has not loaded it yet (NOSCRIPT: nothing ran). Sending the text every time would
 /// cost every redirected call 22 KB to send and hash.
@@ -960,10 +969,7 @@ impl Inner {
         let (kind, left_us): (String, i64) = self
             .run_script((LISTING_SCRIPT, &self.listing_hash), |cmd| {
                 cmd.arg(1).arg(&listing_key).arg(op);
-                match now {
-                    Some(now) => cmd.arg(now),
-                    None => cmd.arg(""),
-                };
+                arg_now(cmd, now);
                 cmd.arg(block_us);
             })
             .await?;
@@ -1207,10 +1213,7 @@ impl Store for RedisStore {
             let (done, held): (i64, i64) = inner
                 .run_script((SLOTS_SCRIPT, &inner.slots_hash), |cmd| {
                     cmd.arg(1).arg(&slots_key).arg(op);
-                    match now {
-                        Some(now) => cmd.arg(now),
-                        None => cmd.arg(""),
-                    };
+                    arg_now(cmd, now);
                     cmd.arg(&slot).arg(limit).arg(ttl_us);
                 })
                 .await?;
