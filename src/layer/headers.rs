@@ -98,17 +98,7 @@ pub(crate) fn number(n: u64) -> HeaderValue {
             std::cell::RefCell::new(bytes::BytesMut::new());
     }
     let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut rest = n;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    let text = &digits[at..];
+    let text = decimal(n, &mut digits);
     let shared = DIGITS.try_with(|arena| {
         let mut arena = arena.borrow_mut();
         if arena.capacity() - arena.len() < text.len() {
@@ -122,6 +112,32 @@ pub(crate) fn number(n: u64) -> HeaderValue {
         // The thread is exiting: no buffer to share.
         Err(_) => HeaderValue::from(n),
     }
+}
+
+/// `n` in decimal, written at the end of `digits`: two digits per division.
+fn decimal(n: u64, digits: &mut [u8; 20]) -> &[u8] {
+    const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
+        2021222324252627282930313233343536373839\
+        4041424344454647484950515253545556575859\
+        6061626364656667686970717273747576777879\
+        8081828384858687888990919293949596979899";
+    let mut at = digits.len();
+    let mut rest = n;
+    while rest >= 100 {
+        let pair = (rest % 100) as usize * 2;
+        rest /= 100;
+        at -= 2;
+        digits[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+    }
+    if rest >= 10 {
+        let pair = rest as usize * 2;
+        at -= 2;
+        digits[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+    } else {
+        at -= 1;
+        digits[at] = b'0' + rest as u8;
+    }
+    &digits[at..]
 }
 
 /// [`number`] for a value that repeats on every response (a rule's limit): the last few
@@ -179,10 +195,9 @@ impl HeaderStyle {
             HeaderStyle::Ietf => return write_ietf(rules, decisions, headers),
             HeaderStyle::None => return,
         };
-        headers.reserve(3);
-        headers.insert(names[0].clone(), repeated_number(governing.limit));
-        headers.insert(names[1].clone(), number(governing.remaining));
-        headers.insert(names[2].clone(), number(ceil_secs(governing.reset_after)));
+        headers.insert(&names[0], repeated_number(governing.limit));
+        headers.insert(&names[1], number(governing.remaining));
+        headers.insert(&names[2], number(ceil_secs(governing.reset_after)));
     }
 
     /// The headers this style writes for `decisions` (`rules[i]` decided `decisions[i]`), as the
@@ -247,6 +262,16 @@ mod tests {
         // Enough large values to pass through several buffers.
         for n in 10_000..12_000u64 {
             assert_eq!(number(n).to_str().unwrap(), n.to_string());
+        }
+    }
+
+    #[test]
+    fn decimal_matches_to_string() {
+        let mut digits = [0u8; 20];
+        let powers = (0..20).map(|e| 10u64.pow(e));
+        let edges = powers.flat_map(|p| [p - 1, p, p + 1, p.saturating_mul(9).saturating_add(9)]);
+        for n in (0..2_000).chain(edges).chain([u64::MAX, u64::MAX - 1]) {
+            assert_eq!(decimal(n, &mut digits), n.to_string().as_bytes(), "{n}");
         }
     }
 

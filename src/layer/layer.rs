@@ -77,6 +77,18 @@ pub(crate) struct Config {
     pub(crate) cost_exceeds_limit_status: StatusCode,
     pub(crate) missing_key: MissingKey,
     pub(crate) shadow: bool,
+    /// What any scope does once a request is admitted, worked out when the layer is built so
+    /// that a request whose scopes do none of it skips the work.
+    pub(crate) after: AfterAdmission,
+}
+
+/// Whether any of a layer's scopes meters request bodies, settles at the response, or refunds
+/// by status.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct AfterAdmission {
+    pub(crate) meters_bodies: bool,
+    pub(crate) settles: bool,
+    pub(crate) refunds: bool,
 }
 
 /// The (rule, key, cost) a request counts against; most requests have one or two.
@@ -214,6 +226,7 @@ impl RateLimitLayer {
                 cost_exceeds_limit_status: StatusCode::TOO_MANY_REQUESTS,
                 missing_key: MissingKey::default(),
                 shadow: false,
+                after: AfterAdmission::default(),
             },
             errors: Vec::new(),
         }
@@ -381,7 +394,13 @@ impl RateLimitLayerBuilder {
         }
     }
 
-    fn finish(self) -> RateLimitLayer {
+    fn finish(mut self) -> RateLimitLayer {
+        let scopes = &self.config.scopes;
+        self.config.after = AfterAdmission {
+            meters_bodies: scopes.iter().any(|s| s.body_unit.is_some()),
+            settles: scopes.iter().any(|s| s.settle.is_some()),
+            refunds: scopes.iter().any(|s| s.refund_if.is_some()),
+        };
         RateLimitLayer {
             config: Arc::new(self.config),
         }

@@ -77,9 +77,12 @@ impl Verdict {
     /// Pass an admitted request on: its extensions get the outcome for the handler (the most
     /// restrictive of every layer's so far).
     pub(crate) fn admit<B>(&mut self, req: &mut http::Request<B>) {
-        let outer = req.extensions().get::<RateLimitInfo>().copied();
-        self.nested = outer.is_some();
-        req.extensions_mut().insert(merge(self.info(), outer));
+        let ours = self.info();
+        // An outer layer's outcome is replaced by the two merged.
+        if let Some(outer) = req.extensions_mut().insert(ours) {
+            self.nested = true;
+            req.extensions_mut().insert(merge(ours, Some(outer)));
+        }
         if let Some(meter) = self.meter_for_body() {
             req.extensions_mut().insert(BodyMeter(meter.clone()));
             self.meter = Some(meter);
@@ -88,6 +91,9 @@ impl Verdict {
 
     /// A meter for the rules charged by body size, when the request was charged for real.
     fn meter_for_body(&self) -> Option<Arc<Meter>> {
+        if !self.config.after.meters_bodies {
+            return None;
+        }
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         // Shadow mode never refuses, a body included: it is charged up front only.
         if self.config.shadow || !counted {
@@ -206,6 +212,9 @@ impl Verdict {
 
     /// The rules of this response settled at its body's size, to count as it is sent.
     pub(crate) fn body_settle(&self) -> Option<BodySettle> {
+        if !self.config.after.settles {
+            return None;
+        }
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         if !self.governing.allowed || self.would_deny || !counted {
             return None;
@@ -237,6 +246,10 @@ impl Verdict {
         refused_inside: bool,
         response: &Response<B>,
     ) -> Option<BoxFuture<'static, ()>> {
+        let after = self.config.after;
+        if !refused_inside && self.meter.is_none() && !after.refunds && !after.settles {
+            return None; // no scope gives anything back for this response
+        }
         let status = response.status();
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         if !self.governing.allowed || self.would_deny || !counted {
