@@ -735,7 +735,7 @@ impl Limiter {
             _ => return None,
         };
         inner.trace(targets, &decisions, started);
-        inner.record(targets, &decisions, &rules);
+        inner.record(targets, &decisions);
         for (key, block) in inner.earned(targets, &decisions) {
             // An in-process store answers at once: no future to await on this path.
             let mut penalise = std::pin::pin!(inner.penalise(&key, block));
@@ -777,7 +777,7 @@ impl Limiter {
         let decisions = self.inner.decide(op, &checks).await?;
         self.inner.trace(targets, &decisions, started);
         if op == Op::Consume {
-            self.inner.record(targets, &decisions, &rules);
+            self.inner.record(targets, &decisions);
             for (key, block) in self.inner.earned(targets, &decisions) {
                 let deadline = Deadline::after(self.inner.deadline);
                 if deadline
@@ -876,6 +876,7 @@ fn checks<'a>(
 }
 
 /// The rule that decides `target`: its key's override, else its resolved quota, else `rule`.
+#[inline]
 fn effective<'a>(rule: &'a Rule, overrides: &'a Overrides, target: &'a Target) -> &'a Rule {
     if !overrides.is_empty() {
         if let Some(o) = overrides.get(&(target.rule, target.key.clone())) {
@@ -963,13 +964,11 @@ impl Inner {
 
     /// Report a consume's decisions through the metrics facade, and count its refusals among
     /// the heavy hitters.
-    fn record(&self, targets: &Targets, decisions: &[Decision], rules: &[Rule]) {
+    #[inline]
+    fn record(&self, targets: &Targets, decisions: &[Decision]) {
         let mut refused: Option<&Key> = None;
         for (t, d) in targets.iter().zip(decisions) {
-            if let Some(rule) = rules.get(t.rule) {
-                let _ = rule;
-                self.telemetry.decision(t.rule, d);
-            }
+            self.telemetry.decision(t.rule, d);
             if !d.allowed && refused.is_none() {
                 refused = Some(&t.key);
             }
@@ -981,6 +980,7 @@ impl Inner {
 
     /// Count this consume's store denials in the penalty box; the keys they got blocked, and
     /// for how long.
+    #[inline]
     fn earned(&self, targets: &Targets, decisions: &[Decision]) -> Vec<(Key, Duration)> {
         let Some(penalties) = &self.penalties else {
             return Vec::new();
@@ -1033,6 +1033,7 @@ impl Inner {
 
     /// One `debug` event per decision and rule, keys fingerprinted; `started` is `None` when
     /// that level is off.
+    #[inline]
     fn trace(&self, targets: &Targets, decisions: &[Decision], started: Option<Instant>) {
         let Some(started) = started else {
             return;

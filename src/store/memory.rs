@@ -792,7 +792,9 @@ enum Undo {
 impl Undo {
     fn of(state: &State) -> Undo {
         match state {
-            State::SlidingLog(_) | State::SlidingWindow(_) => Undo::Nothing,
+            // Unless it converts (ruled out by the caller), GCRA writes at most the interval of
+            // a state with nothing ahead, which changes no later decision.
+            State::SlidingLog(_) | State::SlidingWindow(_) | State::Gcra(_) => Undo::Nothing,
             other => Undo::State(other.clone()),
         }
     }
