@@ -2,7 +2,7 @@
 //! `tower_governor`, and the Redis script the demo runs (for `redis-benchmark`).
 //!
 //! ```text
-//! cargo run --release --example baseline -- --kind bare|governor [--denied] [--port 0]
+//! cargo run --release --example baseline -- --kind bare|governor|fleetlimit [--denied] [--port 0]
 //! cargo run --release --example baseline -- --kind busy --busy-us N [--port 0]
 //! cargo run --release --example baseline -- --print-script
 //! cargo run --release --example baseline -- --print-args     # KEY ARG... of one decision
@@ -76,6 +76,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }),
             )
         }
+        // The README's quick-start layer on this same hello-world (memory store, default
+        // algorithm, keyed by `x-api-key` else the peer address): the layer's own cost, without
+        // the demo server's other routes and flags.
+        Some("fleetlimit") => {
+            let quota = if has("--denied") {
+                Quota::per_hour(1)
+            } else {
+                Quota::per_second(1_000_000_000)
+            };
+            let limiter = fleetlimit::Limiter::builder(fleetlimit::MemoryStore::new())
+                .rule(Rule::new("api", quota.build()?)?)
+                .build()?;
+            app.layer(
+                fleetlimit::RateLimitLayer::builder(limiter)
+                    .key(fleetlimit::key::header("x-api-key"))
+                    .build()?,
+            )
+        }
         Some("governor") => {
             let mut config = GovernorConfigBuilder::default();
             if has("--denied") {
@@ -85,7 +103,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             app.layer(GovernorLayer::new(config.finish().ok_or("governor config")?))
         }
-        _ => return Err("usage: baseline --kind bare|governor|busy [--denied] [--busy-us N] [--port N] | --print-script | --print-args".into()),
+        _ => return Err("usage: baseline --kind bare|governor|fleetlimit|busy [--denied] [--busy-us N] [--port N] | --print-script | --print-args".into()),
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on http://{}", listener.local_addr()?);

@@ -13,10 +13,11 @@
 # Two more rows give a scale: the bare server with a handler busy 1 and 2 µs per request.
 # Usage: scripts/bench.sh [SECONDS_PER_RUN (default 4)] [ROUNDS (default 3)]
 #        scripts/bench.sh fleet [PROCESSES (default 4)] [SECONDS (default 5)]   (see fleet below)
+#        scripts/bench.sh instructions [REQUESTS (default 10000)]             (see instructions below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=layer
-if [ "${1:-}" = fleet ]; then MODE=fleet; shift; fi
+if [ "${1:-}" = fleet ] || [ "${1:-}" = instructions ]; then MODE=$1; shift; fi
 SECS=${1:-4}
 ROUNDS=${2:-3}
 
@@ -89,12 +90,39 @@ PY
 }
 
 
+# `scripts/bench.sh instructions [REQUESTS (default 10000)]`: the instructions one request takes
+# in process (examples/layer_instructions: a hello-world bare, behind tower_governor, behind
+# the README's RateLimitLayer allowed and denied), counted by valgrind's callgrind over the
+# measured requests only. Unlike req/s, the same binary gives the same count on a busy machine,
+# so a change to the layer's cost shows even where wrk's noise would hide it. About 1 minute.
+instructions() {
+  local n=${1:-10000}
+  if ! need valgrind; then echo "bench.sh instructions needs valgrind (Debian: valgrind)" >&2; exit 1; fi
+  cargo build --release --quiet --example layer_instructions
+  local kind total bare=""
+  echo "| request, in process | instructions | over bare axum |"
+  echo "|---|---:|---:|"
+  for kind in bare governor fleetlimit fleetlimit-denied; do
+    total=$(valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+      --toggle-collect='layer_instructions::measure' \
+      target/release/examples/layer_instructions "$kind" "$n" 2>&1 | awk '/Collected/ {print $4}')
+    [ -n "$total" ] || { echo "callgrind failed for $kind" >&2; exit 1; }
+    local per=$((total / n))
+    [ -n "$bare" ] || bare=$per
+    echo "| $kind | $per | $((per - bare)) |"
+  done
+}
+
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
 if [ "$MODE" = fleet ]; then
   fleet "${1:-4}" "${2:-5}"
+  exit 0
+fi
+if [ "$MODE" = instructions ]; then
+  instructions "${1:-10000}"
   exit 0
 fi
 
