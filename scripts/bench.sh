@@ -165,13 +165,15 @@ echo "measuring the layer (wrk, ${SECS}s per run, ${ROUNDS} rounds)..." >&2
 # The demo server as a user runs it (memory store, its defaults) and with GCRA; a limit no run
 # reaches for allowed traffic, one spent by the first request for denied traffic. GCRA spaces
 # requests at least a microsecond apart, so its "no run reaches it" is a million a second.
-bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""; gcra=""; gcra_denied=""; busy1=""; busy2=""
+bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""; gcra=""; gcra_denied=""; busy1=""; busy2=""; quick=""
 for _ in $(seq 1 "$ROUNDS"); do
   start "$BIN/baseline" --kind bare --port 0;                 bare+=" $(wrk_rps "$LAST_PORT")"; stop_last
   # A scale: what 1 and 2 µs of handler work cost in the same run.
   start "$BIN/baseline" --kind busy --busy-us 1 --port 0;     busy1+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/baseline" --kind busy --busy-us 2 --port 0;     busy2+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/server" --port 0 --limit 1000000000 --period 1s; demo+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  # The README's quick-start layer on the bare hello-world: the layer without the demo's routes.
+  start "$BIN/baseline" --kind fleetlimit --port 0;           quick+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/baseline" --kind governor --port 0;             gov+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/server" --port 0 --algorithm gcra --limit 1000000 --period 1s
   gcra+=" $(wrk_rps "$LAST_PORT")"; stop_last
@@ -188,6 +190,7 @@ row "demo server, default algorithm, denied (req/s)" "$demo_denied" "bare axum" 
 row "demo server, default algorithm, denied (req/s)" "$demo_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
 row "demo server, GCRA, denied (req/s)" "$gcra_denied" "bare axum" "$bare" "≥ 0.90"
 row "demo server, GCRA, denied (req/s)" "$gcra_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
+row "quick-start RateLimitLayer on the bare hello-world, allowed (req/s)" "$quick" "bare axum" "$bare" "(information)"
 row "bare axum, handler busy 1 µs (req/s)" "$busy1" "bare axum" "$bare" "(scale)"
 row "bare axum, handler busy 2 µs (req/s)" "$busy2" "bare axum" "$bare" "(scale)"
 

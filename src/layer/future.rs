@@ -73,6 +73,7 @@ where
     /// A call decided on the spot: no boxed future, no extra state. `inner` is the instance
     /// driven ready: it is called if the request is admitted, and otherwise replaced by a fresh
     /// clone, so whatever its readiness reserved (a `ConcurrencyLimit` permit) is released.
+    #[inline]
     pub(crate) fn decided(
         config: Arc<Config>,
         targets: Targets,

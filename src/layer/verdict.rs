@@ -38,6 +38,7 @@ pub(crate) struct Verdict {
 }
 
 impl Verdict {
+    #[inline]
     pub(crate) fn new(
         config: Arc<Config>,
         targets: Targets,
