@@ -65,9 +65,8 @@ static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const SMALL_NUMBERS: u64 = 4096;
 
 /// A header value for a number, without an allocation per response: small numbers (most
-/// limits, remainders and resets) come from a table built once; larger ones are written into a
-/// per-thread buffer that many values share (one allocation per hundred or so values; a value
-/// kept beyond its response keeps that 1 KiB buffer).
+/// limits, remainders and resets) come from a table built once; larger ones from
+/// [`shared_bytes`].
 pub(crate) fn number(n: u64) -> HeaderValue {
     static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
     if n < SMALL_NUMBERS {
@@ -91,31 +90,39 @@ pub(crate) fn number(n: u64) -> HeaderValue {
             return v.clone();
         }
     }
-    // Small, because a value kept (a cached response) keeps its whole buffer alive.
-    const ARENA: usize = 1024;
-    thread_local! {
-        static DIGITS: std::cell::RefCell<bytes::BytesMut> =
-            std::cell::RefCell::new(bytes::BytesMut::new());
-    }
     let mut digits = [0u8; 20];
     let text = decimal(n, &mut digits);
-    let shared = DIGITS.try_with(|arena| {
+    HeaderValue::from_maybe_shared(shared_bytes(&[text])).unwrap_or_else(|_| HeaderValue::from(n))
+}
+
+/// `parts` one after the other, as `Bytes` carved from a per-thread buffer that many short
+/// values share, so that a response's numbers and body allocate nothing each (one allocation per
+/// kilobyte or so). A value kept beyond its response keeps that buffer alive; it is small for
+/// that reason.
+#[inline]
+pub(crate) fn shared_bytes(parts: &[&[u8]]) -> bytes::Bytes {
+    const ARENA: usize = 1024;
+    thread_local! {
+        static ARENA_BUF: std::cell::RefCell<bytes::BytesMut> =
+            std::cell::RefCell::new(bytes::BytesMut::new());
+    }
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let carved = ARENA_BUF.try_with(|arena| {
         let mut arena = arena.borrow_mut();
-        if arena.capacity() - arena.len() < text.len() {
-            *arena = bytes::BytesMut::with_capacity(ARENA);
+        if arena.capacity() - arena.len() < len {
+            *arena = bytes::BytesMut::with_capacity(ARENA.max(len));
         }
-        arena.extend_from_slice(text);
+        for part in parts {
+            arena.extend_from_slice(part);
+        }
         arena.split().freeze()
     });
-    match shared {
-        Ok(bytes) => HeaderValue::from_maybe_shared(bytes).unwrap_or_else(|_| HeaderValue::from(n)),
-        // The thread is exiting: no buffer to share.
-        Err(_) => HeaderValue::from(n),
-    }
+    // The thread is exiting: no buffer to share.
+    carved.unwrap_or_else(|_| bytes::Bytes::from(parts.concat()))
 }
 
 /// `n` in decimal, written at the end of `digits`: two digits per division.
-fn decimal(n: u64, digits: &mut [u8; 20]) -> &[u8] {
+pub(crate) fn decimal(n: u64, digits: &mut [u8; 20]) -> &[u8] {
     const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
         2021222324252627282930313233343536373839\
         4041424344454647484950515253545556575859\

@@ -111,25 +111,15 @@ pub(crate) fn denied(
 
 fn json_body(d: &Decision) -> Bytes {
     match d.retry_after {
+        // A denial is the path an attacker drives: no formatting machinery, no allocation.
         Some(retry) => {
-            // Written on the stack and copied once: a denial is the path an attacker drives.
-            use std::io::Write;
-            let mut text = [0u8; 64];
-            let mut rest = &mut text[..];
-            let written = write!(
-                rest,
-                r#"{{"error":"rate_limited","retry_after_ms":{}}}"#,
-                ceil_millis(retry)
-            );
-            let len = 64 - rest.len();
-            match written {
-                Ok(()) => Bytes::copy_from_slice(&text[..len]),
-                // Unreachable (20 digits at most fit), but never a truncated body.
-                Err(_) => Bytes::from(format!(
-                    r#"{{"error":"rate_limited","retry_after_ms":{}}}"#,
-                    ceil_millis(retry)
-                )),
-            }
+            let mut digits = [0u8; 20];
+            let ms = super::headers::decimal(ceil_millis(retry), &mut digits);
+            super::headers::shared_bytes(&[
+                br#"{"error":"rate_limited","retry_after_ms":"#,
+                ms,
+                b"}",
+            ])
         }
         None => Bytes::from_static(br#"{"error":"cost_exceeds_limit","retry_after_ms":null}"#),
     }
@@ -212,6 +202,29 @@ mod tests {
         cost_exceeds_limit: StatusCode::TOO_MANY_REQUESTS,
     };
     use std::time::Duration;
+
+    #[test]
+    fn the_json_denial_states_the_wait_in_whole_milliseconds_rounded_up() {
+        let waits = [
+            1,
+            999,
+            1_000,
+            1_001,
+            59_999_999,
+            3_600_000_000,
+            u64::MAX / 2,
+        ];
+        // Many denials, so the bodies come from more than one shared buffer.
+        for (i, micros) in waits.iter().cycle().take(500).enumerate() {
+            let wait = Duration::from_micros(*micros);
+            let d = Decision::deny(10, 0, wait, Some(wait));
+            let r = denied(&d, &Denial::Json, false, STATUSES);
+            let body: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+            assert_eq!(body["error"], "rate_limited", "denial {i}");
+            assert_eq!(body["retry_after_ms"], ceil_millis(wait), "denial {i}");
+            assert_eq!(body.as_object().map(|o| o.len()), Some(2), "{body}");
+        }
+    }
 
     #[test]
     fn retry_after_never_zero() {
