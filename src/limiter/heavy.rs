@@ -28,7 +28,13 @@ pub struct HeavyHitter {
 
 #[derive(Default)]
 struct Summary {
-    counts: HashMap<Key, u64>,
+    counts: hashbrown::HashMap<Key, u64>,
+    /// Keys that held the smallest count when it was last looked for, and that count: the next
+    /// to give up their place. Counts only grow and a newcomer starts above it, so a key still at
+    /// that count is at the smallest there is; one look serves many newcomers, where a look per
+    /// newcomer would let a client sending new keys make every refusal scan the whole summary.
+    smallest: Vec<Key>,
+    smallest_count: u64,
 }
 
 impl Summary {
@@ -41,14 +47,25 @@ impl Summary {
             self.counts.insert(key.clone(), 1);
             return;
         }
-        let smallest = self
-            .counts
-            .iter()
-            .min_by_key(|(_, n)| **n)
-            .map(|(k, n)| (k.clone(), *n));
-        if let Some((k, n)) = smallest {
-            self.counts.remove(&k);
-            self.counts.insert(key.clone(), n + 1);
+        loop {
+            let Some(candidate) = self.smallest.pop() else {
+                let Some(&min) = self.counts.values().min() else {
+                    return; // a summary of no keys (never: the capacity is at least 1)
+                };
+                self.smallest_count = min;
+                self.smallest = self
+                    .counts
+                    .iter()
+                    .filter(|(_, &n)| n == min)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                continue;
+            };
+            if self.counts.get(&candidate) == Some(&self.smallest_count) {
+                self.counts.remove(&candidate);
+                self.counts.insert(key.clone(), self.smallest_count + 1);
+                return;
+            }
         }
     }
 }
@@ -129,6 +146,50 @@ impl HeavyHitters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The summary against a direct space-saving one (a newcomer takes the place of a key with
+    /// the smallest count, inheriting it plus one): the same counts, key by key, whatever the
+    /// order of arrivals.
+    #[test]
+    fn a_newcomer_takes_the_place_of_a_smallest_count() {
+        let mut state = 7u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            state >> 33
+        };
+        for capacity in [1, 2, 5, 20] {
+            let mut summary = Summary::default();
+            let mut reference: Vec<(Key, u64)> = Vec::new();
+            for _ in 0..3_000 {
+                // A few loud keys and many quiet ones.
+                let r = next();
+                let key = if r % 3 == 0 {
+                    Key::new(format!("loud-{}", r % 4))
+                } else {
+                    Key::new(format!("quiet-{}", r % 500))
+                };
+                summary.add(&key, capacity);
+                match reference.iter().position(|(k, _)| *k == key) {
+                    Some(at) => reference[at].1 += 1,
+                    None if reference.len() < capacity => reference.push((key, 1)),
+                    None => {
+                        let min = reference.iter().map(|(_, n)| *n).min().unwrap();
+                        // Which smallest key goes may differ; the multiset of counts may not.
+                        let at = reference.iter().position(|(_, n)| *n == min).unwrap();
+                        reference[at] = (key, min + 1);
+                    }
+                }
+                let mut ours: Vec<u64> = summary.counts.values().copied().collect();
+                let mut theirs: Vec<u64> = reference.iter().map(|(_, n)| *n).collect();
+                ours.sort_unstable();
+                theirs.sort_unstable();
+                assert_eq!(ours, theirs, "capacity {capacity}");
+                assert!(summary.counts.len() <= capacity);
+            }
+        }
+    }
 
     const S: u64 = 1_000_000;
 
