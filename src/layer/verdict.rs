@@ -436,11 +436,14 @@ fn warn_unmetered() {
 
 /// The decision that governs a request's single-valued headers.
 fn governing(decisions: &[Decision]) -> Decision {
-    decisions
-        .iter()
-        .copied()
-        .reduce(Decision::more_restrictive)
-        .unwrap_or_else(|| Decision::admit(0, 0, std::time::Duration::ZERO))
+    match decisions {
+        [one] => *one,
+        _ => decisions
+            .iter()
+            .copied()
+            .reduce(Decision::more_restrictive)
+            .unwrap_or_else(|| Decision::admit(0, 0, std::time::Duration::ZERO)),
+    }
 }
 
 /// This layer's outcome together with another layer's: the more restrictive decision; shadow
