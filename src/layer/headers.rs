@@ -96,12 +96,13 @@ pub(crate) fn number(n: u64) -> HeaderValue {
 }
 
 /// `parts` one after the other, as `Bytes` carved from a per-thread buffer that many short
-/// values share, so that a response's numbers and body allocate nothing each (one allocation per
-/// kilobyte or so). A value kept beyond its response keeps that buffer alive; it is small for
-/// that reason.
+/// values share, so that a response's numbers and body allocate nothing each (two allocations,
+/// the buffer and its shared handle, per 16 KiB: per few hundred denial bodies). A value kept
+/// beyond its response keeps that buffer alive; responses are short-lived, and a thread fills
+/// one buffer at a time.
 #[inline]
 pub(crate) fn shared_bytes(parts: &[&[u8]]) -> bytes::Bytes {
-    const ARENA: usize = 1024;
+    const ARENA: usize = 16 * 1024;
     thread_local! {
         static ARENA_BUF: std::cell::RefCell<bytes::BytesMut> =
             std::cell::RefCell::new(bytes::BytesMut::new());
