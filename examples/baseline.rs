@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example baseline -- --kind bare|governor|fleetlimit [--denied] [--port 0]
+//! cargo run --release --example baseline -- --kind governor --headers [--denied] [--port 0]
 //! cargo run --release --example baseline -- --kind busy --busy-us N [--port 0]
 //! cargo run --release --example baseline -- --print-script
 //! cargo run --release --example baseline -- --print-args     # KEY ARG... of one decision
@@ -101,9 +102,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             } else {
                 config.per_nanosecond(1).burst_size(u32::MAX);
             }
-            app.layer(GovernorLayer::new(config.finish().ok_or("governor config")?))
+            // `--headers`: tower_governor's own rate-limit headers on every response (limit and
+            // remaining), as fleetlimit writes by default; without it, only on denials.
+            if has("--headers") {
+                let mut config = config.use_headers();
+                app.layer(GovernorLayer::new(config.finish().ok_or("governor config")?))
+            } else {
+                app.layer(GovernorLayer::new(config.finish().ok_or("governor config")?))
+            }
         }
-        _ => return Err("usage: baseline --kind bare|governor|fleetlimit|busy [--denied] [--busy-us N] [--port N] | --print-script | --print-args".into()),
+        _ => return Err("usage: baseline --kind bare|governor|fleetlimit|busy [--denied] [--headers] [--busy-us N] [--port N] | --print-script | --print-args".into()),
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on http://{}", listener.local_addr()?);

@@ -3,7 +3,7 @@
 //! figure that, unlike time, does not move with whatever else the machine is doing.
 //!
 //! ```text
-//! cargo run --release --example layer_instructions -- bare|governor|fleetlimit|fleetlimit-denied N
+//! cargo run --release --example layer_instructions -- bare|governor|governor-headers|fleetlimit|fleetlimit-denied N
 //! ```
 //!
 //! The layers are those of `examples/baseline.rs`: tower_governor keyed by peer address, and
@@ -25,7 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(kind), Some(n)) = (args.first(), args.get(1)) else {
         return Err(
-            "usage: layer_instructions bare|governor|fleetlimit|fleetlimit-denied N".into(),
+            "usage: layer_instructions bare|governor|governor-headers|fleetlimit|fleetlimit-denied N".into(),
         );
     };
     let n: u64 = n.parse()?;
@@ -35,6 +35,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "governor" => {
             let mut config = GovernorConfigBuilder::default();
             config.per_nanosecond(1).burst_size(u32::MAX);
+            app.layer(GovernorLayer::new(
+                config.finish().ok_or("governor config")?,
+            ))
+        }
+        // tower_governor with its rate-limit headers on every response, as fleetlimit's default.
+        "governor-headers" => {
+            let mut config = GovernorConfigBuilder::default();
+            config.per_nanosecond(1).burst_size(u32::MAX);
+            let mut config = config.use_headers();
             app.layer(GovernorLayer::new(
                 config.finish().ok_or("governor config")?,
             ))

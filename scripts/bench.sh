@@ -91,8 +91,8 @@ PY
 
 
 # `scripts/bench.sh instructions [REQUESTS (default 10000)]`: the instructions one request takes
-# in process (examples/layer_instructions: a hello-world bare, behind tower_governor, behind
-# the README's RateLimitLayer allowed and denied), counted by valgrind's callgrind over the
+# in process (examples/layer_instructions: a hello-world bare, behind tower_governor without and
+# with its headers, behind the README's RateLimitLayer allowed and denied), counted by valgrind's callgrind over the
 # measured requests only. Unlike req/s, the same binary gives the same count on a busy machine,
 # so a change to the layer's cost shows even where wrk's noise would hide it. About 1 minute.
 instructions() {
@@ -102,7 +102,7 @@ instructions() {
   local kind total bare=""
   echo "| request, in process | instructions | over bare axum |"
   echo "|---|---:|---:|"
-  for kind in bare governor fleetlimit fleetlimit-denied; do
+  for kind in bare governor governor-headers fleetlimit fleetlimit-denied; do
     total=$(valgrind --tool=callgrind --callgrind-out-file=/dev/null \
       --toggle-collect='layer_instructions::measure' \
       target/release/examples/layer_instructions "$kind" "$n" 2>&1 | awk '/Collected/ {print $4}')
@@ -165,7 +165,7 @@ echo "measuring the layer (wrk, ${SECS}s per run, ${ROUNDS} rounds)..." >&2
 # The demo server as a user runs it (memory store, its defaults) and with GCRA; a limit no run
 # reaches for allowed traffic, one spent by the first request for denied traffic. GCRA spaces
 # requests at least a microsecond apart, so its "no run reaches it" is a million a second.
-bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""; gcra=""; gcra_denied=""; busy1=""; busy2=""; quick=""
+bare=""; gov=""; gov_denied=""; demo=""; demo_denied=""; gcra=""; gcra_denied=""; busy1=""; busy2=""; quick=""; gov_headers=""
 for _ in $(seq 1 "$ROUNDS"); do
   start "$BIN/baseline" --kind bare --port 0;                 bare+=" $(wrk_rps "$LAST_PORT")"; stop_last
   # A scale: what 1 and 2 µs of handler work cost in the same run.
@@ -175,6 +175,8 @@ for _ in $(seq 1 "$ROUNDS"); do
   # The README's quick-start layer on the bare hello-world: the layer without the demo's routes.
   start "$BIN/baseline" --kind fleetlimit --port 0;           quick+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/baseline" --kind governor --port 0;             gov+=" $(wrk_rps "$LAST_PORT")"; stop_last
+  # tower_governor with its headers on every response, as fleetlimit writes them by default.
+  start "$BIN/baseline" --kind governor --headers --port 0;   gov_headers+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/server" --port 0 --algorithm gcra --limit 1000000 --period 1s
   gcra+=" $(wrk_rps "$LAST_PORT")"; stop_last
   start "$BIN/baseline" --kind governor --denied --port 0;    gov_denied+=" $(wrk_rps "$LAST_PORT")"; stop_last
@@ -191,6 +193,8 @@ row "demo server, default algorithm, denied (req/s)" "$demo_denied" "tower_gover
 row "demo server, GCRA, denied (req/s)" "$gcra_denied" "bare axum" "$bare" "≥ 0.90"
 row "demo server, GCRA, denied (req/s)" "$gcra_denied" "tower_governor denied" "$gov_denied" "≥ 0.95"
 row "quick-start RateLimitLayer on the bare hello-world, allowed (req/s)" "$quick" "bare axum" "$bare" "(information)"
+row "demo server, default algorithm, allowed (req/s)" "$demo" "tower_governor with its headers" "$gov_headers" "(information)"
+row "tower_governor with its headers, allowed (req/s)" "$gov_headers" "bare axum" "$bare" "(information)"
 row "bare axum, handler busy 1 µs (req/s)" "$busy1" "bare axum" "$bare" "(scale)"
 row "bare axum, handler busy 2 µs (req/s)" "$busy2" "bare axum" "$bare" "(scale)"
 
