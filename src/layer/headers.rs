@@ -48,16 +48,6 @@ impl std::str::FromStr for HeaderStyle {
     }
 }
 
-static DRAFT6: [HeaderName; 3] = [
-    HeaderName::from_static("ratelimit-limit"),
-    HeaderName::from_static("ratelimit-remaining"),
-    HeaderName::from_static("ratelimit-reset"),
-];
-static LEGACY: [HeaderName; 3] = [
-    HeaderName::from_static("x-ratelimit-limit"),
-    HeaderName::from_static("x-ratelimit-remaining"),
-    HeaderName::from_static("x-ratelimit-reset"),
-];
 static POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
@@ -197,15 +187,33 @@ impl HeaderStyle {
         if governing.source == Source::Policy {
             return;
         }
-        let names = match self {
-            HeaderStyle::Draft6 => &DRAFT6,
-            HeaderStyle::Legacy => &LEGACY,
+        // Names built at compile time and moved into the map: inserting by reference clones
+        // each one (a call through `Bytes`' vtable per header per response).
+        let [limit, remaining, reset] = match self {
+            HeaderStyle::Draft6 => {
+                const {
+                    [
+                        HeaderName::from_static("ratelimit-limit"),
+                        HeaderName::from_static("ratelimit-remaining"),
+                        HeaderName::from_static("ratelimit-reset"),
+                    ]
+                }
+            }
+            HeaderStyle::Legacy => {
+                const {
+                    [
+                        HeaderName::from_static("x-ratelimit-limit"),
+                        HeaderName::from_static("x-ratelimit-remaining"),
+                        HeaderName::from_static("x-ratelimit-reset"),
+                    ]
+                }
+            }
             HeaderStyle::Ietf => return write_ietf(rules, decisions, headers),
             HeaderStyle::None => return,
         };
-        headers.insert(&names[0], repeated_number(governing.limit));
-        headers.insert(&names[1], number(governing.remaining));
-        headers.insert(&names[2], number(ceil_secs(governing.reset_after)));
+        headers.insert(limit, repeated_number(governing.limit));
+        headers.insert(remaining, number(governing.remaining));
+        headers.insert(reset, number(ceil_secs(governing.reset_after)));
     }
 
     /// The headers this style writes for `decisions` (`rules[i]` decided `decisions[i]`), as the
