@@ -209,8 +209,13 @@ struct Watch {
     settled: AtomicBool,
 }
 
-/// One request in [`FORWARDING_SAMPLE`] per thread, the first included: a proxy nobody
-/// configured forwards every request, so a sample finds it without two header lookups on each.
+/// About one call in 64 per thread, the first included: a proxy nobody configured forwards
+/// every request, so a sample finds it without two header lookups on each.
+///
+/// The thread's calls are spread by a Weyl sequence (multiples of the golden ratio, top bits)
+/// rather than taken as `n % 64`: several address keys are often called in a fixed order per
+/// request (an outer and an inner layer, a scope's own), and with two of them `n % 64` would
+/// never pick the second.
 fn sampled() -> bool {
     thread_local! {
         static SEEN: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
@@ -218,13 +223,13 @@ fn sampled() -> bool {
     SEEN.try_with(|seen| {
         let n = seen.get();
         seen.set(n.wrapping_add(1));
-        n % FORWARDING_SAMPLE == 0
+        n.wrapping_mul(0x9E37_79B9) >> (32 - FORWARDING_SAMPLE_BITS) == 0
     })
     .unwrap_or(true)
 }
 
-/// See [`sampled`].
-const FORWARDING_SAMPLE: u32 = 64;
+/// See [`sampled`]: one call in 2^6.
+const FORWARDING_SAMPLE_BITS: u32 = 6;
 
 impl Watch {
     fn observe(&self, peer: IpAddr, parts: &Parts, trusted: &TrustedProxies) {
@@ -346,5 +351,41 @@ impl KeyExtractor for PeerIp {
 
     fn per_address(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sampled;
+
+    /// Address keys called in a fixed order per request (2, 3 or 4 of them on a thread) are
+    /// each sampled, about one call in 64 overall, and the thread's first call always is.
+    #[test]
+    fn every_address_key_in_a_fixed_order_is_sampled() {
+        for keys in 1..=4usize {
+            std::thread::spawn(move || {
+                let mut per_key = vec![0u32; keys];
+                let mut first = None;
+                let calls = 64 * 64;
+                for call in 0..calls {
+                    let hit = sampled();
+                    first.get_or_insert(hit);
+                    if hit {
+                        per_key[call % keys] += 1;
+                    }
+                }
+                assert_eq!(first, Some(true), "the first call is sampled");
+                let total: u32 = per_key.iter().sum();
+                assert!(
+                    (32..=128).contains(&total),
+                    "{total} of {calls} calls sampled, expected about 64"
+                );
+                for (i, n) in per_key.iter().enumerate() {
+                    assert!(*n > 0, "key {i} of {keys} is never sampled: {per_key:?}");
+                }
+            })
+            .join()
+            .unwrap();
+        }
     }
 }
