@@ -86,13 +86,16 @@ pub(crate) fn number(n: u64) -> HeaderValue {
 }
 
 /// `parts` one after the other, as `Bytes` carved from a per-thread buffer that many short
-/// values share, so that a response's numbers and body allocate nothing each (two allocations,
-/// the buffer and its shared handle, per 16 KiB: per few hundred denial bodies). A value kept
-/// beyond its response keeps that buffer alive; responses are short-lived, and a thread fills
-/// one buffer at a time.
+/// values share, so that a response's numbers and body allocate nothing each: two allocations
+/// (the buffer and its shared handle) per 4 KiB, about 80 denial bodies.
+///
+/// A value kept beyond its response keeps its whole buffer alive. Denials are what an attacker
+/// drives, and a client can hold responses unsent (an HTTP/2 stream whose window it never
+/// opens), so the buffer stays small: a held denial pins at most 4 KiB, of the order of what
+/// the stream's own state costs.
 #[inline]
 pub(crate) fn shared_bytes(parts: &[&[u8]]) -> bytes::Bytes {
-    const ARENA: usize = 16 * 1024;
+    const ARENA: usize = 4 * 1024;
     thread_local! {
         static ARENA_BUF: std::cell::RefCell<bytes::BytesMut> =
             std::cell::RefCell::new(bytes::BytesMut::new());
