@@ -1193,18 +1193,20 @@ impl RedisCluster {
         self.node_for_slot(self.keyslot(key))
     }
 
-    /// Kills node `i` with `SIGKILL` (see [`RedisServer::kill`]).
-    ///
-    /// # Panics
-    ///
-    /// If `i` is not a node index.
-    /// Runs `redis-cli ARGS...` to completion, bounded in time.
+    /// Runs `redis-cli ARGS...` to completion, bounded in time; its output is in the error.
     fn cli(&self, args: &[&str]) -> Result<(), String> {
+        let first = self.nodes.first().ok_or("a cluster needs nodes")?;
+        let log_path = first.dir().join("redis-cli.log");
+        let log = File::create(&log_path)
+            .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
+        let log_for_stderr = log
+            .try_clone()
+            .map_err(|e| format!("cannot duplicate the log file handle: {e}"))?;
         let mut child = Command::new("redis-cli")
             .args(args)
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_for_stderr))
             .die_with_parent()
             .spawn()
             .map_err(|e| format!("cannot spawn redis-cli: {e}"))?;
@@ -1212,7 +1214,12 @@ impl RedisCluster {
         loop {
             match child.try_wait() {
                 Ok(Some(status)) if status.success() => return Ok(()),
-                Ok(Some(status)) => return Err(format!("redis-cli {args:?}: {status}")),
+                Ok(Some(status)) => {
+                    return Err(format!(
+                        "redis-cli {args:?}: {status}; output:\n{}",
+                        read_lossy_from(&log_path, 0)
+                    ))
+                }
                 Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(20)),
                 Ok(None) => {
                     kill_and_reap(&mut child);
@@ -1230,7 +1237,9 @@ impl RedisCluster {
         let existing = self.nodes[0].addr();
         self.cli(&["--cluster", "add-node", &node.addr(), &existing])?;
         self.nodes.push(node);
-        // Wait until the new node knows the cluster.
+        // Wait until the new node knows the cluster, and every node knows the new one: until
+        // gossip has spread it, `redis-cli --cluster rebalance` finds that the nodes "don't
+        // agree about configuration" and gives up.
         let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
         while Instant::now() < deadline {
             let ok = self.nodes.last().is_some_and(|n| {
@@ -1239,12 +1248,51 @@ impl RedisCluster {
                     .and_then(|r| r.as_str().map(|i| i.contains("cluster_state:ok")))
                     .unwrap_or(false)
             });
-            if ok {
+            if ok && self.views_agree() {
                 return Ok(self.nodes.len() - 1);
             }
             thread::sleep(CLUSTER_POLL_INTERVAL);
         }
-        Err("the new master never joined".to_owned())
+        Err("the new master never joined, or the nodes never agreed on it".to_owned())
+    }
+
+    /// Whether every node sees every other one, none of them in a handshake or failed, and all
+    /// see the same slot owners (what `redis-cli --cluster check` calls agreeing).
+    fn views_agree(&self) -> bool {
+        let mut first: Option<Vec<String>> = None;
+        for node in &self.nodes {
+            let Some(view) = node
+                .cmd(&["CLUSTER", "NODES"])
+                .ok()
+                .and_then(|r| r.as_str().map(str::to_owned))
+            else {
+                return false;
+            };
+            let lines: Vec<&str> = view.lines().filter(|l| !l.trim().is_empty()).collect();
+            if lines.len() != self.nodes.len()
+                || lines
+                    .iter()
+                    .any(|l| l.contains("handshake") || l.contains("fail") || l.contains("noaddr"))
+            {
+                return false;
+            }
+            // Each node's id and the slots it owns (fields 9 on); `myself` flags differ.
+            let mut owners: Vec<String> = lines
+                .iter()
+                .map(|l| {
+                    let fields: Vec<&str> = l.split_whitespace().collect();
+                    let id = fields.first().copied().unwrap_or("");
+                    format!("{id} {}", fields.get(8..).unwrap_or(&[]).join(" "))
+                })
+                .collect();
+            owners.sort();
+            match &first {
+                None => first = Some(owners),
+                Some(seen) if *seen != owners => return false,
+                Some(_) => {}
+            }
+        }
+        true
     }
 
     /// Spreads slots evenly over every master, the empty ones included (`--cluster rebalance
@@ -1291,6 +1339,11 @@ impl RedisCluster {
         ])
     }
 
+    /// Kills node `i` with `SIGKILL` (see [`RedisServer::kill`]).
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not a node index.
     pub fn kill_node(&mut self, i: usize) {
         let count = self.nodes.len();
         match self.nodes.get_mut(i) {
