@@ -141,6 +141,61 @@ async fn costs_above_the_reservation_are_charged_within_the_budget() {
     }
 }
 
+/// A settled cost that does not fit is the budget running out under a request already served,
+/// not a client coming back while refused: it feeds neither the penalty box nor the heavy
+/// hitters, so a client whose real costs run over is not blocked for them.
+#[tokio::test]
+async fn a_settled_cost_that_does_not_fit_is_not_a_refusal() {
+    let clock = ManualClock::new(1_735_689_600_000_000);
+    let limiter = Limiter::builder(MemoryStore::builder().clock(clock.clone()).build().unwrap())
+        .rule(
+            Rule::new(
+                "tokens",
+                Quota::per_second(100)
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap(),
+        )
+        .clock(clock.clone())
+        .heavy_hitters(100, Duration::from_secs(60), true)
+        // Two refusals within a minute block the key.
+        .penalty(fleetlimit::Penalty::new(
+            2,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ))
+        .build()
+        .unwrap();
+    let app = under_reserving(limiter.clone());
+    let tenant = Key::new("tenant");
+    for second in 0..5 {
+        // Reserves 10 of a fresh window's 100; the 95 more it used do not fit in the 90 left
+        // (a refusal that names a wait) and are not charged.
+        assert_eq!(used(&app, 105).await, StatusCode::OK, "second {second}");
+        assert_eq!(limiter.peek(&tenant).await.unwrap().remaining, 90);
+        clock.advance(Duration::from_secs(1));
+    }
+    assert!(
+        limiter.heavy_hitters(10).is_empty(),
+        "no refusal counted: {:?}",
+        limiter.heavy_hitters(10)
+    );
+    // A real refusal still counts: the window spent, two refusals block the key.
+    assert_eq!(used(&app, 100).await, StatusCode::OK);
+    assert_eq!(limiter.peek(&tenant).await.unwrap().remaining, 0);
+    assert_eq!(used(&app, 1).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(used(&app, 1).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(limiter.heavy_hitters(10).len(), 1);
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        used(&app, 1).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "blocked by the penalty box beyond the window"
+    );
+}
+
 /// A download quota in KiB: each request reserves 10 KiB, settled at the response body's size
 /// once it is sent.
 #[tokio::test]

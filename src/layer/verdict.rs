@@ -408,9 +408,7 @@ impl Drop for BodySettle {
 /// (nothing ever passes the limit): reserve the most a request can cost for a hard budget.
 async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
     for target in extra {
-        let charged = limiter
-            .apply_indexed(crate::store::Op::Consume, std::slice::from_ref(target))
-            .await;
+        let charged = limiter.charge_settled(std::slice::from_ref(target)).await;
         match charged {
             Ok(d) if d.iter().all(|d| d.allowed) => {}
             Ok(_) => tracing::warn!(

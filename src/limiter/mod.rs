@@ -754,6 +754,25 @@ impl Limiter {
         op: Op,
         targets: &Targets,
     ) -> Result<Vec<Decision>, Error> {
+        self.apply_counted(op, targets, true).await
+    }
+
+    /// Charge what a settled cost found beyond its reservation, after the response. Not a
+    /// request's decision: a refusal here is the budget running out under a request already
+    /// served, not a client coming back while refused, so it feeds neither the decision
+    /// metrics, the heavy hitters nor the penalty box.
+    pub(crate) async fn charge_settled(&self, targets: &Targets) -> Result<Vec<Decision>, Error> {
+        self.apply_counted(Op::Consume, targets, false).await
+    }
+
+    /// [`apply_indexed`](Limiter::apply_indexed); `as_request`: the consume is a request's,
+    /// counted as such.
+    async fn apply_counted(
+        &self,
+        op: Op,
+        targets: &Targets,
+        as_request: bool,
+    ) -> Result<Vec<Decision>, Error> {
         for (i, target) in targets.iter().enumerate() {
             if target.cost == 0 {
                 return Err(Error::InvalidCost(0));
@@ -776,7 +795,7 @@ impl Limiter {
         let checks = checks(&rules, &overrides, targets)?;
         let decisions = self.inner.decide(op, &checks).await?;
         self.inner.trace(targets, &decisions, started);
-        if op == Op::Consume {
+        if op == Op::Consume && as_request {
             self.inner.record(targets, &decisions);
             for (key, block) in self.inner.earned(targets, &decisions) {
                 let deadline = Deadline::after(self.inner.deadline);
