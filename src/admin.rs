@@ -12,8 +12,13 @@
 //! | `POST /keys/{key}/unblock` | [`Limiter::unblock`] | 204 |
 //! | `GET /heavy-hitters?n=N` | [`Limiter::heavy_hitters`] | 200, `{"keys": [{"key": "...", "denials": N}]}` (default 10, at most 100) |
 //!
-//! `{key}` is the key as your extractor makes it (percent-encoded in the path). A store that
-//! cannot answer gives `503` with `{"error":"store_unavailable"}`. `GET` answers:
+//! `{key}` is the key as your extractor makes it (percent-encoded in the path). Every
+//! `/keys/{key}` route also exists as `/ips/{addr}`, for the keys of clients limited by
+//! address ([`PeerIp`](crate::key::PeerIp), the fallback key): `{addr}` is an IPv4 or IPv6
+//! address, IPv6 grouped by `/64` as `PeerIp` groups it by default, or by `/N` written after
+//! it (`2001:db8::%2F56`, the slash percent-encoded); a malformed one is `400` with
+//! `{"error":"invalid_address"}`. A store that cannot answer gives `503` with
+//! `{"error":"store_unavailable"}`. `GET` answers:
 //!
 //! ```json
 //! {"key": "tenant-1", "listing": null,
@@ -47,11 +52,13 @@
 //! # Ok::<(), fleetlimit::ConfigError>(())
 //! ```
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{FromRequestParts, Path, RawQuery, State};
+use axum::http::request::Parts;
 use axum::http::{header, Response, StatusCode};
 use axum::routing::{delete, get, post};
 use axum::Router;
@@ -70,15 +77,85 @@ pub fn router(limiter: Limiter) -> Router {
 /// while the service runs, say).
 pub fn router_with(current: impl Fn() -> Limiter + Send + Sync + 'static) -> Router {
     let source: Source = Arc::new(current);
-    Router::new()
-        .route("/keys/{key}", get(inspect).delete(reset))
-        .route("/keys/{key}/rules/{rule}", delete(reset_rule))
-        .route("/keys/{key}/block", post(block))
-        .route("/keys/{key}/deny", post(deny))
-        .route("/keys/{key}/allow", post(allow))
-        .route("/keys/{key}/unblock", post(unblock))
+    let mut router = Router::new();
+    for named in ["/keys/{key}", "/ips/{addr}"] {
+        router = router
+            .route(named, get(inspect).delete(reset))
+            .route(&format!("{named}/rules/{{rule}}"), delete(reset_rule))
+            .route(&format!("{named}/block"), post(block))
+            .route(&format!("{named}/deny"), post(deny))
+            .route(&format!("{named}/allow"), post(allow))
+            .route(&format!("{named}/unblock"), post(unblock));
+    }
+    router
         .route("/heavy-hitters", get(heavy_hitters))
         .with_state(source)
+}
+
+/// The key a request names: `/keys/{key}` (as the extractor made it) or `/ips/{addr}` (a
+/// client's address), and the rule it names, if any.
+struct Named {
+    key: Key,
+    /// The key as the path wrote it.
+    shown: String,
+    rule: Option<String>,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Named {
+    type Rejection = Response<Body>;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path(params) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| error(StatusCode::BAD_REQUEST, "invalid_path"))?;
+        let mut named = Named {
+            key: Key::global(),
+            shown: String::new(),
+            rule: None,
+        };
+        let mut found = false;
+        for (name, value) in params {
+            match name.as_str() {
+                "key" => {
+                    named.key = Key::new(&value);
+                    named.shown = value;
+                    found = true;
+                }
+                "addr" => {
+                    named.key = address_key(&value)
+                        .ok_or_else(|| error(StatusCode::BAD_REQUEST, "invalid_address"))?;
+                    named.shown = value;
+                    found = true;
+                }
+                "rule" => named.rule = Some(value),
+                _ => {}
+            }
+        }
+        if found {
+            Ok(named)
+        } else {
+            Err(error(StatusCode::BAD_REQUEST, "invalid_path"))
+        }
+    }
+}
+
+/// The key [`PeerIp`](crate::key::PeerIp) makes for `text`: an address, IPv6 grouped by `/64`
+/// or by the `/N` after it.
+fn address_key(text: &str) -> Option<Key> {
+    let (addr, prefix) = match text.split_once('/') {
+        Some((addr, prefix)) => (addr, Some(prefix)),
+        None => (text, None),
+    };
+    let ip: IpAddr = addr.parse().ok()?;
+    let prefix = match (ip, prefix) {
+        (_, None) => 64,
+        (IpAddr::V6(_), Some(p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+            p.parse::<u8>().ok().filter(|&p| p <= 128)?
+        }
+        // An IPv4 address is one client: a prefix would promise a grouping that is not made.
+        _ => return None,
+    };
+    Some(Key::from_ip(ip, prefix))
 }
 
 fn json(status: StatusCode, body: String) -> Response<Body> {
@@ -120,8 +197,8 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-async fn inspect(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
-    let state = match source().inspect(&Key::new(&key)).await {
+async fn inspect(State(source): State<Source>, named: Named) -> Response<Body> {
+    let state = match source().inspect(&named.key).await {
         Ok(state) => state,
         Err(e) => return failed(&e),
     };
@@ -147,19 +224,17 @@ async fn inspect(State(source): State<Source>, Path(key): Path<String>) -> Respo
             })
         })
         .collect();
-    let body = serde_json::json!({ "key": key, "listing": listing, "rules": rules });
+    let body = serde_json::json!({ "key": named.shown, "listing": listing, "rules": rules });
     json(StatusCode::OK, body.to_string())
 }
 
-async fn reset(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
-    done(source().reset(&Key::new(key)).await)
+async fn reset(State(source): State<Source>, named: Named) -> Response<Body> {
+    done(source().reset(&named.key).await)
 }
 
-async fn reset_rule(
-    State(source): State<Source>,
-    Path((key, rule)): Path<(String, String)>,
-) -> Response<Body> {
-    done(source().reset_rule(&Key::new(key), &rule).await)
+async fn reset_rule(State(source): State<Source>, named: Named) -> Response<Body> {
+    let rule = named.rule.unwrap_or_default();
+    done(source().reset_rule(&named.key, &rule).await)
 }
 
 /// `seconds=N` from the query: a whole number of seconds, at least 1.
@@ -174,11 +249,11 @@ fn seconds(query: Option<&str>) -> Option<u64> {
 
 async fn block(
     State(source): State<Source>,
-    Path(key): Path<String>,
     RawQuery(query): RawQuery,
+    named: Named,
 ) -> Response<Body> {
     match seconds(query.as_deref()) {
-        Some(n) => done(source().block(&Key::new(key), Duration::from_secs(n)).await),
+        Some(n) => done(source().block(&named.key, Duration::from_secs(n)).await),
         None => error(StatusCode::BAD_REQUEST, "seconds_required"),
     }
 }
@@ -201,16 +276,16 @@ async fn heavy_hitters(State(source): State<Source>, RawQuery(query): RawQuery) 
     )
 }
 
-async fn deny(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
-    done(source().deny(&Key::new(key)).await)
+async fn deny(State(source): State<Source>, named: Named) -> Response<Body> {
+    done(source().deny(&named.key).await)
 }
 
-async fn allow(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
-    done(source().allow(&Key::new(key)).await)
+async fn allow(State(source): State<Source>, named: Named) -> Response<Body> {
+    done(source().allow(&named.key).await)
 }
 
-async fn unblock(State(source): State<Source>, Path(key): Path<String>) -> Response<Body> {
-    done(source().unblock(&Key::new(key)).await)
+async fn unblock(State(source): State<Source>, named: Named) -> Response<Body> {
+    done(source().unblock(&named.key).await)
 }
 
 #[cfg(test)]
