@@ -232,37 +232,57 @@ impl HeaderStyle {
 }
 
 fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) {
-    let mut policy = String::new();
-    let mut state = String::new();
-    for (rule, d) in rules.iter().zip(decisions) {
-        if !policy.is_empty() {
-            policy.push_str(", ");
-            state.push_str(", ");
-        }
-        let window = ceil_secs(rule.quota().period()).max(1);
-        let t = match (d.allowed, d.retry_after) {
-            (false, Some(retry)) => ceil_secs(retry).max(1),
-            _ => ceil_secs(d.reset_after),
-        };
-        // Rule names are visible ASCII without quotes or backslashes (checked by `Rule::new`),
-        // so they are valid Structured Field strings as they are. `q` is the budget a client
-        // can spend at once: a bucket's burst, not its refill rate. Quotas never exceed the 15
-        // digits of a Structured Field integer (checked when the quota is built).
-        policy.push_str(&format!(
-            "\"{}\";q={};w={}",
-            rule.name(),
-            rule.quota().capacity(),
-            window
-        ));
-        state.push_str(&format!("\"{}\";r={};t={}", rule.name(), d.remaining, t));
+    // Written into a per-thread buffer and carved from the shared one: no allocation per
+    // response once the buffer has grown to the longest list.
+    thread_local! {
+        static TEXT: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    for (name, value) in [(&POLICY, policy), (&RATELIMIT, state)] {
+    let write = |text: &mut Vec<u8>, name: &HeaderName, headers: &HeaderMap| {
+        text.clear();
         // An inner layer's items come first: one list describes every policy that applied.
-        let value = match headers.get(name).and_then(|v| v.to_str().ok()) {
-            Some(inner) if !inner.is_empty() => format!("{inner}, {value}"),
-            _ => value,
-        };
-        if let Ok(v) = HeaderValue::try_from(value) {
+        if let Some(inner) = headers
+            .get(name)
+            .filter(|v| v.to_str().is_ok() && !v.is_empty())
+        {
+            text.extend_from_slice(inner.as_bytes());
+            text.extend_from_slice(b", ");
+        }
+        let mut digits = [0u8; 20];
+        for (i, (rule, d)) in rules.iter().zip(decisions).enumerate() {
+            if i > 0 {
+                text.extend_from_slice(b", ");
+            }
+            // Rule names are visible ASCII without quotes or backslashes (checked by
+            // `Rule::new`), so they are valid Structured Field strings as they are. Quotas never
+            // exceed the 15 digits of a Structured Field integer (checked when the quota is
+            // built).
+            text.push(b'"');
+            text.extend_from_slice(rule.name().as_bytes());
+            text.push(b'"');
+            let (first, second) = if *name == POLICY {
+                // `q` is the budget a client can spend at once: a bucket's burst, not its
+                // refill rate.
+                let window = ceil_secs(rule.quota().period()).max(1);
+                ((b";q=", rule.quota().capacity()), (b";w=", window))
+            } else {
+                let t = match (d.allowed, d.retry_after) {
+                    (false, Some(retry)) => ceil_secs(retry).max(1),
+                    _ => ceil_secs(d.reset_after),
+                };
+                ((b";r=", d.remaining), (b";t=", t))
+            };
+            for (label, n) in [first, second] {
+                text.extend_from_slice(label);
+                text.extend_from_slice(decimal(n, &mut digits));
+            }
+        }
+        HeaderValue::from_maybe_shared(shared_bytes(&[text])).ok()
+    };
+    for name in [&POLICY, &RATELIMIT] {
+        let value = TEXT
+            .try_with(|text| write(&mut text.borrow_mut(), name, headers))
+            .unwrap_or_else(|_| write(&mut Vec::new(), name, headers));
+        if let Some(v) = value {
             headers.insert(name.clone(), v);
         }
     }
