@@ -192,6 +192,51 @@ async fn the_local_fallback_takes_its_share_of_the_new_quota() {
     assert!(limiter.stats().degraded_decisions >= 20);
 }
 
+/// While Redis is gone, a key's own quota (an override) is shared out like the rule's: a
+/// throttled key stays throttled, a bigger one stays bigger, the others keep the rule's share.
+#[tokio::test]
+async fn the_local_fallback_takes_its_share_of_a_keys_own_quota() {
+    let clock = ManualClock::new(T0);
+    let mut server = RedisServer::start();
+    let store = RedisStore::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .clock(clock.clone())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(Rule::new("api", quota(Algorithm::FixedWindow, 40)).unwrap())
+        .on_store_error(OnStoreError::LocalShare(2))
+        .deadline(Duration::from_millis(200))
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let (throttled, big, plain) = (Key::new("throttled"), Key::new("big"), Key::new("plain"));
+    limiter
+        .set_override("api", &throttled, Some(quota(Algorithm::FixedWindow, 4)))
+        .unwrap();
+    limiter
+        .set_override("api", &big, Some(quota(Algorithm::FixedWindow, 100)))
+        .unwrap();
+    server.kill();
+    assert_eq!(
+        admitted(&limiter, &throttled, 30).await,
+        2,
+        "half of its own 4"
+    );
+    assert_eq!(
+        admitted(&limiter, &big, 80).await,
+        50,
+        "half of its own 100"
+    );
+    assert_eq!(
+        admitted(&limiter, &plain, 30).await,
+        20,
+        "half of the rule's 40"
+    );
+    assert!(limiter.stats().degraded_decisions >= 72);
+}
+
 mod per_request {
     use super::*;
     use axum::body::Body;

@@ -34,7 +34,8 @@ pub enum OnStoreError {
     },
     /// Decide in process with this quota for every rule.
     Local(Quota),
-    /// Decide in process with each rule's quota divided by this many servers.
+    /// Decide in process with each rule's quota divided by this many servers; a request under
+    /// a quota of its own (a key's override, a tenant's plan) gets its share of that one.
     LocalShare(u64),
 }
 
@@ -56,10 +57,16 @@ pub(crate) enum Policy {
     Local {
         store: MemoryStore,
         /// Each rule's local quota, replaced when the limiter's quotas change.
-        rules: arc_swap::ArcSwap<Vec<Rule>>,
+        rules: arc_swap::ArcSwap<Vec<LocalRule>>,
         /// How a rule's quota becomes its local one.
         local: LocalQuota,
     },
+}
+
+/// A rule as the local fallback decides it, and the quota its local one was derived from.
+pub(crate) struct LocalRule {
+    rule: Rule,
+    from: Quota,
 }
 
 /// How a local fallback derives each rule's local quota.
@@ -77,10 +84,19 @@ impl LocalQuota {
         }
     }
 
-    fn rules(&self, rules: &[Rule]) -> Result<Vec<Rule>, ConfigError> {
+    fn rule(&self, rule: &Rule) -> Result<Rule, ConfigError> {
+        Rule::new(rule.name(), self.of(rule.quota())?)
+    }
+
+    fn rules(&self, rules: &[Rule]) -> Result<Vec<LocalRule>, ConfigError> {
         rules
             .iter()
-            .map(|r| Rule::new(r.name(), self.of(r.quota())?))
+            .map(|r| {
+                Ok(LocalRule {
+                    rule: self.rule(r)?,
+                    from: r.quota().clone(),
+                })
+            })
             .collect()
     }
 }
@@ -113,7 +129,10 @@ impl Policy {
     }
 
     /// The local quotas for `rules` (their quotas changed), checked before anything changes.
-    pub(crate) fn local_rules(&self, rules: &[Rule]) -> Result<Option<Vec<Rule>>, ConfigError> {
+    pub(crate) fn local_rules(
+        &self,
+        rules: &[Rule],
+    ) -> Result<Option<Vec<LocalRule>>, ConfigError> {
         match self {
             Policy::Local { local, .. } => local.rules(rules).map(Some),
             _ => Ok(None),
@@ -121,7 +140,7 @@ impl Policy {
     }
 
     /// Put in force local quotas made by [`local_rules`](Policy::local_rules).
-    pub(crate) fn set_local_rules(&self, local_rules: Vec<Rule>) {
+    pub(crate) fn set_local_rules(&self, local_rules: Vec<LocalRule>) {
         if let Policy::Local { rules, .. } = self {
             rules.store(Arc::new(local_rules));
         }
@@ -148,15 +167,32 @@ impl Policy {
         match self {
             Policy::Open => synthetic(true, None),
             Policy::Closed { retry_after } => synthetic(false, Some(*retry_after)),
-            Policy::Local { store, rules, .. } => {
+            Policy::Local {
+                store,
+                rules,
+                local: how,
+            } => {
                 let rules = rules.load();
+                // A check under a quota of its own (a key's override, a tenant's plan) gets
+                // its share of that quota, not of the rule's: a throttled key stays throttled
+                // and a bigger plan stays bigger while the store is away.
+                let of = |c: &Check<'_>| rules.iter().find(|l| l.rule.name() == c.rule.name());
+                let own: Vec<Option<Rule>> = checks
+                    .iter()
+                    .map(|c| match (of(c), how) {
+                        (Some(local), _) if local.from == *c.rule.quota() => None,
+                        (_, LocalQuota::Share(_)) => how.rule(c.rule).ok(),
+                        (_, LocalQuota::Fixed(_)) => None,
+                    })
+                    .collect();
                 let local: Vec<Check<'_>> = checks
                     .iter()
-                    .map(|c| Check {
-                        rule: rules
-                            .iter()
-                            .find(|r| r.name() == c.rule.name())
-                            .unwrap_or(c.rule),
+                    .zip(&own)
+                    .map(|(c, own)| Check {
+                        rule: match own {
+                            Some(rule) => rule,
+                            None => of(c).map_or(c.rule, |local| &local.rule),
+                        },
                         key: c.key,
                         cost: c.cost,
                     })
@@ -306,8 +342,11 @@ mod tests {
             panic!("a local policy");
         };
         let local = local.load();
-        assert_eq!(local[0].quota().limit(), 25);
-        assert_eq!((local[1].quota().limit(), local[1].quota().burst()), (2, 7));
+        assert_eq!(local[0].rule.quota().limit(), 25);
+        assert_eq!(
+            (local[1].rule.quota().limit(), local[1].rule.quota().burst()),
+            (2, 7)
+        );
         let tiny = Policy::resolve(OnStoreError::LocalShare(1_000), &rules, &clock()).unwrap();
         let k = Key::new("k");
         let check = [Check {
