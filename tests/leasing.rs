@@ -279,6 +279,54 @@ async fn redis_calls_per_decision_are_at_most_one_per_block() {
     assert!(b < a);
 }
 
+/// A hot key an operator lists is decided by its listing, one store call per request at most:
+/// the lease call answers with the listing's decision (it used to be followed by a second call
+/// to decide the request), and a denied key's refusals are remembered.
+#[tokio::test]
+async fn a_listed_hot_key_takes_one_store_call_per_request() {
+    const BLOCK: u64 = 100;
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(10_000_000, Duration::from_secs(60), Algorithm::FixedWindow);
+    let config = LeaseConfig::fixed(BLOCK).max_validity(Duration::from_secs(10));
+    let l = limiter(&server, &clock, hot, Some(config)).await;
+    let key = Key::new("vip");
+    for _ in 0..BLOCK * 3 {
+        assert!(l.consume(&key, 1).await.unwrap().allowed);
+    }
+    assert_eq!(l.stats().leased_keys, 1, "the key is leased");
+    l.allow(&key).await.unwrap();
+    // Spend what is left of the block taken before the listing, then count.
+    for _ in 0..BLOCK {
+        l.consume(&key, 1).await.unwrap();
+    }
+    let before = script_calls(&server);
+    let taken_before = l.peek(&key).await.unwrap().remaining;
+    let after_peek = script_calls(&server);
+    for _ in 0..50 {
+        let d = l.consume(&key, 1).await.unwrap();
+        assert!(d.allowed);
+        assert_eq!(d.source, Source::Store);
+    }
+    let calls = script_calls(&server) - after_peek;
+    assert_eq!(calls, 50, "one call per request of an allowed key");
+    assert_eq!(
+        l.peek(&key).await.unwrap().remaining,
+        taken_before,
+        "nothing counted"
+    );
+    assert!(after_peek > before);
+
+    l.deny(&key).await.unwrap();
+    let before = script_calls(&server);
+    for i in 0..50 {
+        let d = l.consume(&key, 1).await.unwrap();
+        assert!(!d.allowed, "request {i}");
+    }
+    let calls = script_calls(&server) - before;
+    assert!(calls <= 2, "{calls} calls for 50 requests of a denied key");
+}
+
 #[tokio::test]
 async fn the_sliding_log_cannot_be_leased() {
     let store = fleetlimit::MemoryStore::new();

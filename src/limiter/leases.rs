@@ -300,6 +300,18 @@ impl Inner {
         else {
             return Ok(self.policy_decision(check));
         };
+        if lease.listed {
+            // Its listing decides each request, and the lease call has decided this one: no
+            // second call. Whatever the old block held goes back.
+            let old = slot.block.swap(Arc::new(Block::empty()));
+            self.give_back_later(check, &old);
+            let decision = Decision {
+                taken: None,
+                ..lease.state
+            };
+            self.remember(check, &decision, started);
+            return Ok(decision);
+        }
         if let Some(index) = self.rule_index(check.rule) {
             self.telemetry.lease_block(index);
         }

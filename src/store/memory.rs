@@ -834,6 +834,7 @@ impl MemoryStore {
                     cost: 0,
                     algorithm: quota.algorithm(),
                 },
+                listed: true,
             });
         }
         if !State::leasable(quota) {
@@ -866,6 +867,7 @@ impl MemoryStore {
                         cost: 0,
                         algorithm: quota.algorithm(),
                     },
+                    listed: false,
                 });
             }
         };
@@ -875,6 +877,7 @@ impl MemoryStore {
             valid_for: Duration::from_micros(granted.valid_until.saturating_sub(now)),
             state,
             taken: granted.taken,
+            listed: false,
         })
     }
 }

@@ -70,6 +70,9 @@ pub struct Lease {
     pub state: Decision,
     /// Where the permits were taken: unspent ones go back through [`Store::refund`].
     pub taken: Taken,
+    /// The key is listed (allowed, denied or blocked): no permits are granted, and `state` is
+    /// the decision of each of its requests, which are decided by the listing one by one.
+    pub listed: bool,
 }
 
 /// An administrator's entry for a key, across every rule of a store (of one key prefix, for

@@ -17,7 +17,8 @@
 -- Returns 6 integers per check: allowed (1/0), limit, remaining, reset after (µs), retry after
 -- (µs, -1 when none), and where the permits were taken (the receipt's anchor, -1 when nothing
 -- was taken); for 'lease', then the permits granted, until when they are valid, for how long
--- from now, and the block's anchor.
+-- from now, the block's anchor, and whether the key is listed (1/0: then nothing is granted
+-- and the decision is the listing's, for each request).
 local ALGORITHMS = { fixed_window, sliding_log, sliding_window, token_bucket, gcra }
 local PER_CHECK = 11
 -- Longer than any resend can come after the first send (retries are immediate or follow a
@@ -121,6 +122,7 @@ if op == 'lease' and listing[1] ~= nil then
   out[#out + 1] = now
   out[#out + 1] = 0
   out[#out + 1] = now
+  out[#out + 1] = 1
   return out
 end
 
@@ -136,6 +138,7 @@ if op == 'lease' then
   out[#out + 1] = valid_until
   out[#out + 1] = math.max(valid_until - now, 0)
   out[#out + 1] = at
+  out[#out + 1] = 0
   return out
 end
 

@@ -1240,10 +1240,10 @@ impl Store for RedisStore {
                 .inner
                 .call("lease", &[check], &[], Some(max_validity_us))
                 .await?;
-            if values.len() != PER_DECISION + 4 {
+            if values.len() != PER_DECISION + 5 {
                 return Err(StoreError::Protocol(format!(
                     "a lease answers {} numbers, got {}",
-                    PER_DECISION + 4,
+                    PER_DECISION + 5,
                     values.len()
                 )));
             }
@@ -1269,6 +1269,7 @@ impl Store for RedisStore {
                     cost: permits,
                     algorithm: check.rule.quota().algorithm(),
                 },
+                listed: rest[4] == 1,
             })
         })
     }
