@@ -149,10 +149,15 @@ fn address_key(text: &str) -> Option<Key> {
     let ip: IpAddr = addr.parse().ok()?;
     let prefix = match (ip, prefix) {
         (_, None) => 64,
-        (IpAddr::V6(_), Some(p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+        (IpAddr::V6(v6), Some(p))
+            if v6.to_ipv4_mapped().is_none()
+                && !p.is_empty()
+                && p.bytes().all(|b| b.is_ascii_digit()) =>
+        {
             p.parse::<u8>().ok().filter(|&p| p <= 128)?
         }
-        // An IPv4 address is one client: a prefix would promise a grouping that is not made.
+        // An IPv4 address (mapped into IPv6 or not) is one client: a prefix would promise a
+        // grouping that is not made.
         _ => return None,
     };
     Some(Key::from_ip(ip, prefix))

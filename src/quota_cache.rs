@@ -4,6 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::hash::Hash;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -21,8 +22,8 @@ use crate::{ConfigError, Quota};
 /// Concurrent requests for a key that is not loaded wait for one load (single flight); a
 /// loaded quota (or "no quota of its own": `None`) is reused for the time to live; a failed
 /// load is not cached (the next request tries again). When full, the oldest entry that holds a
-/// quota goes (expired entries are the oldest), or one whose load has run a whole time to live
-/// (abandoned); a load still in flight is dropped only when every entry is one, so a spray of
+/// quota goes (expired entries are the oldest), or one whose load failed, was given up or has
+/// run a whole time to live; a load still in flight is dropped only when every entry is one, so a spray of
 /// new keys neither breaks single flight nor grows the cache past its capacity. Making room
 /// looks past the loads in flight at most, never through the whole cache. Cheap to clone;
 /// clones share the cache.
@@ -81,6 +82,19 @@ struct Held<K> {
 struct Entry {
     quota: OnceCell<Option<Quota>>,
     created: Instant,
+    /// Requests waiting on the load now: an empty entry nobody waits on (its load failed or
+    /// was given up) is not a load in flight.
+    waiting: AtomicUsize,
+}
+
+/// A request's wait on an entry, counted from when the entry was handed out (under the lock)
+/// until the request has its answer or is dropped.
+struct Waiting(Arc<Entry>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl<K: Hash + Eq + Clone> QuotaCache<K> {
@@ -111,8 +125,8 @@ impl<K: Hash + Eq + Clone> QuotaCache<K> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Option<Quota>, E>>,
     {
-        let entry = self.entry(key);
-        entry.quota.get_or_try_init(load).await.cloned()
+        let waiting = self.entry(key);
+        waiting.0.quota.get_or_try_init(load).await.cloned()
     }
 
     /// Forget `key`'s quota (its plan changed): the next request loads it again.
@@ -130,13 +144,17 @@ impl<K: Hash + Eq + Clone> QuotaCache<K> {
         self.len() == 0
     }
 
-    fn entry(&self, key: &K) -> Arc<Entry> {
+    fn entry(&self, key: &K) -> Waiting {
         let inner = &self.inner;
         let now = Instant::now();
         let mut held = inner.held.lock();
+        let wait = |e: &Arc<Entry>| {
+            e.waiting.fetch_add(1, Ordering::Acquire);
+            Waiting(e.clone())
+        };
         if let Some(e) = held.entries.get(key) {
             if !(e.quota.initialized() && now.duration_since(e.created) >= inner.ttl) {
-                return e.clone();
+                return wait(e);
             }
         }
         while held.entries.len() >= inner.capacity && !held.entries.contains_key(key) {
@@ -147,16 +165,17 @@ impl<K: Hash + Eq + Clone> QuotaCache<K> {
         let fresh = Arc::new(Entry {
             quota: OnceCell::new(),
             created: now,
+            waiting: AtomicUsize::new(0),
         });
         held.entries.insert(key.clone(), fresh.clone());
         held.order.push_back((key.clone(), Arc::downgrade(&fresh)));
         // Replaced and invalidated entries leave their place in the order behind: sweep them
         // out once they are as many as the cache holds, an amortised constant per insert.
-        if held.order.len() > 2 * inner.capacity + 16 {
+        if held.order.len() > inner.capacity.saturating_mul(2).saturating_add(16) {
             let Held { entries, order } = &mut *held;
             order.retain(|(k, made)| current(entries, k, made).is_some());
         }
-        fresh
+        wait(&fresh)
     }
 }
 
@@ -172,8 +191,9 @@ fn current<'a, K: Hash + Eq>(
 }
 
 impl<K: Hash + Eq> Held<K> {
-    /// Drop one entry to make room: the oldest that holds a quota or whose load has run a whole
-    /// time to live, else the oldest load in flight. Entries replaced since are swept out on
+    /// Drop one entry to make room: the oldest that holds a quota, that nobody waits on (its
+    /// load failed or was given up) or whose load has run a whole time to live, else the oldest
+    /// load in flight. Entries replaced since are swept out on
     /// the way. Whether one was dropped.
     fn evict_one(&mut self, now: Instant, ttl: Duration) -> bool {
         let mut oldest_loading = None;
@@ -184,7 +204,11 @@ impl<K: Hash + Eq> Held<K> {
                     self.order.remove(i);
                     continue;
                 }
-                Some(e) => e.quota.initialized() || now.duration_since(e.created) >= ttl,
+                Some(e) => {
+                    e.quota.initialized()
+                        || e.waiting.load(Ordering::Acquire) == 0
+                        || now.duration_since(e.created) >= ttl
+                }
             };
             if evictable {
                 return self.evict_at(i);
@@ -370,5 +394,34 @@ mod tests {
                 held.order.len()
             );
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_and_abandoned_loads_make_room_first() {
+        let cache: QuotaCache<u32> = QuotaCache::new(3, Duration::from_secs(60)).unwrap();
+        let loads = Arc::new(AtomicU64::new(0));
+        // Key 1's load fails; key 2's is given up (its request dropped); key 3 is settled.
+        let failed = cache
+            .get(&1, || async { Err::<Option<Quota>, _>("db down") })
+            .await;
+        assert!(failed.is_err());
+        let abandoned = slow_load(&cache, 2, &loads);
+        tokio::task::yield_now().await;
+        abandoned.abort();
+        assert!(abandoned.await.is_err(), "given up");
+        cache
+            .get(&3, || async { Ok::<_, ()>(quota(3)) })
+            .await
+            .unwrap();
+        // Two new keys: the failed and the abandoned entries make room, not key 3.
+        for k in [4, 5] {
+            cache.get(&k, || async { Ok::<_, ()>(None) }).await.unwrap();
+        }
+        let reloaded = cache
+            .get(&3, || async { Ok::<_, ()>(quota(33)) })
+            .await
+            .unwrap();
+        assert_eq!(reloaded, quota(3), "key 3 stayed cached");
+        assert!(cache.len() <= 3);
     }
 }

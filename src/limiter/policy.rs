@@ -85,7 +85,7 @@ impl LocalQuota {
     }
 
     fn rule(&self, rule: &Rule) -> Result<Rule, ConfigError> {
-        Rule::new(rule.name(), self.of(rule.quota())?)
+        Ok(rule.with_quota(self.of(rule.quota())?))
     }
 
     fn rules(&self, rules: &[Rule]) -> Result<Vec<LocalRule>, ConfigError> {
