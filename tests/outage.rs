@@ -465,3 +465,75 @@ async fn uncounted_decisions_are_never_refunded() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// What the store said before it went away stands until its own retry time, whatever the
+/// policy: a deny-listed or blocked key, or one that spent its quota, stays refused through an
+/// outage (long after the denial cache would have asked the store again), and only until then.
+#[tokio::test]
+async fn refusals_the_store_gave_stand_through_an_outage_until_their_retry_time() {
+    let mut server = RedisServer::start();
+    let clock = fleetlimit::ManualClock::new(1_900_000_000_000_000);
+    let store = RedisStore::builder()
+        .clock(clock.clone())
+        .connect_timeout(Duration::from_secs(2))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(
+            Rule::new(
+                "outage",
+                Quota::per_minute(2)
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap(),
+        )
+        // The most permissive policy: only what the store said refuses anything.
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(DEADLINE)
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let (denied, blocked, spent, other) = (
+        Key::new("denied"),
+        Key::new("blocked"),
+        Key::new("spent"),
+        Key::new("other"),
+    );
+    limiter.deny(&denied).await.unwrap();
+    limiter
+        .block(&blocked, Duration::from_secs(30))
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        assert!(limiter.consume(&spent, 1).await.unwrap().allowed);
+    }
+    for key in [&denied, &blocked, &spent] {
+        let d = limiter.consume(key, 1).await.unwrap();
+        assert!(!d.allowed && !d.degraded, "{key:?}: the store refuses");
+    }
+    server.kill();
+    // Past the denial cache's 1 s of trust: the store would be asked again, and cannot be.
+    clock.advance(Duration::from_secs(5));
+    for key in [&denied, &blocked, &spent] {
+        let d = limiter.consume(key, 1).await.unwrap();
+        assert!(!d.allowed, "{key:?} stays refused");
+        assert!(d.degraded && d.source == Source::Cache, "{key:?}: {d:?}");
+        assert!(d.retry_after.is_some_and(|r| r > Duration::ZERO));
+    }
+    let d = limiter.consume(&other, 1).await.unwrap();
+    assert!(
+        d.allowed && d.degraded,
+        "the policy decides the rest: {d:?}"
+    );
+    // The window (60 s) and the block (30 s) are over: the policy decides those keys too; the
+    // deny list's wait (a day) is not.
+    clock.advance(Duration::from_secs(60));
+    for key in [&blocked, &spent] {
+        let d = limiter.consume(key, 1).await.unwrap();
+        assert!(d.allowed && d.degraded, "{key:?}: {d:?}");
+    }
+    assert!(!limiter.consume(&denied, 1).await.unwrap().allowed);
+}

@@ -5,8 +5,10 @@
 //! cost), never after the store's own retry time nor longer than `max_age` after the store said
 //! it (so a reset, a block lifted, a quota raised or a Redis restarted empty is seen by every
 //! instance within `max_age`), and with headers computed at the moment of the answer
-//! (`retry_after` and `reset_after` count down from the store's answer). Bounded: at most the
-//! configured number of keys, the ones that end first forgotten first.
+//! (`retry_after` and `reset_after` count down from the store's answer). While the store cannot
+//! be asked, a denial stands up to the store's own retry time (a blocked or deny-listed key stays
+//! refused through an outage). Bounded: at most the configured number of keys, those past
+//! `max_age` and those that end first forgotten first.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -63,13 +65,29 @@ impl DenialCache {
 
     /// The remembered denial of a request of `cost` at `now`, its waits counted down to now.
     pub(crate) fn get(&self, key: &SlotKey, cost: u64, now: u64) -> Option<Decision> {
+        self.answer(key, cost, now, |r| r.until)
+    }
+
+    /// Like [`get`](DenialCache::get), while the store cannot be asked: a denial it gave stands
+    /// until its own retry time, however long ago it was given (nothing newer can be learnt).
+    pub(crate) fn get_in_outage(&self, key: &SlotKey, cost: u64, now: u64) -> Option<Decision> {
+        self.answer(key, cost, now, |r| r.retry_at)
+    }
+
+    fn answer(
+        &self,
+        key: &SlotKey,
+        cost: u64,
+        now: u64,
+        good_until: impl Fn(&Remembered) -> u64,
+    ) -> Option<Decision> {
         let mut shard = self.shard(key);
         let r = *shard.get(key)?;
-        if now >= r.until {
+        if now >= r.retry_at {
             shard.remove(key);
             return None;
         }
-        if r.cost != cost {
+        if now >= good_until(&r) || r.cost != cost {
             return None;
         }
         let mut d = r.decision;
@@ -173,6 +191,28 @@ mod tests {
             "never past the store's time"
         );
         assert!(c.get(&k, 2, 250_000).is_none(), "forgotten once over");
+    }
+
+    #[test]
+    fn in_an_outage_a_denial_stands_until_the_stores_retry_time() {
+        let c = DenialCache::new(100, Duration::from_secs(1));
+        let k = (0, Key::new("k"));
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), 0);
+        assert!(
+            c.get(&k, 1, 5_000_000).is_none(),
+            "past max_age: ask the store"
+        );
+        let d = c.get_in_outage(&k, 1, 5_000_000).unwrap();
+        assert_eq!(d.retry_after, Some(Duration::from_secs(25)));
+        assert!(c.get_in_outage(&k, 2, 5_000_000).is_none(), "another cost");
+        assert!(
+            c.get_in_outage(&k, 1, 30_000_000).is_none(),
+            "its time has come"
+        );
+        assert!(
+            c.get_in_outage(&k, 1, 5_000_000).is_none(),
+            "forgotten once over"
+        );
     }
 
     #[test]

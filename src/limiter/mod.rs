@@ -973,12 +973,34 @@ impl Inner {
     }
 
     /// Decide without the store, as the policy says. Every such decision is marked degraded.
+    /// A refusal the store gave before it went away stands until its own retry time (a blocked
+    /// or deny-listed key stays refused, whatever the policy); the request's other checks are
+    /// then only peeked, nothing taken.
     fn fallback(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
         self.degraded.fetch_add(1, Ordering::Relaxed);
-        match &self.policy {
-            Some(policy) => policy.decide(op, checks),
-            None => Policy::Open.decide(op, checks),
+        let policy = self.policy.as_ref().unwrap_or(&Policy::Open);
+        let now = self.clock.now_us();
+        let refused: Vec<Option<Decision>> = match &self.denials {
+            Some(denials) if op == Op::Consume => checks
+                .iter()
+                .map(|c| {
+                    let index = self.rule_index(c.rule)?;
+                    let mut d = denials.get_in_outage(&(index, c.key.clone()), c.cost, now)?;
+                    d.degraded = true;
+                    Some(d)
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        if refused.iter().all(Option::is_none) {
+            return policy.decide(op, checks);
         }
+        policy
+            .decide(Op::Peek, checks)
+            .into_iter()
+            .zip(refused)
+            .map(|(peeked, refused)| refused.unwrap_or(peeked))
+            .collect()
     }
 
     /// Report a consume's decisions through the metrics facade, and count its refusals among
