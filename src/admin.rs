@@ -105,37 +105,23 @@ impl<S: Send + Sync> FromRequestParts<S> for Named {
     type Rejection = Response<Body>;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let Path(params) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
+        let Path(mut params) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
             .await
             .map_err(|_| error(StatusCode::BAD_REQUEST, "invalid_path"))?;
-        let mut named = Named {
-            key: Key::global(),
-            shown: String::new(),
-            rule: None,
+        let mut param = |name: &str| {
+            let at = params.iter().position(|(n, _)| n == name)?;
+            Some(params.swap_remove(at).1)
         };
-        let mut found = false;
-        for (name, value) in params {
-            match name.as_str() {
-                "key" => {
-                    named.key = Key::new(&value);
-                    named.shown = value;
-                    found = true;
-                }
-                "addr" => {
-                    named.key = address_key(&value)
-                        .ok_or_else(|| error(StatusCode::BAD_REQUEST, "invalid_address"))?;
-                    named.shown = value;
-                    found = true;
-                }
-                "rule" => named.rule = Some(value),
-                _ => {}
-            }
-        }
-        if found {
-            Ok(named)
-        } else {
-            Err(error(StatusCode::BAD_REQUEST, "invalid_path"))
-        }
+        let rule = param("rule");
+        let (key, shown) = match (param("key"), param("addr")) {
+            (Some(text), _) => (Key::new(&text), text),
+            (None, Some(text)) => match address_key(&text) {
+                Some(key) => (key, text),
+                None => return Err(error(StatusCode::BAD_REQUEST, "invalid_address")),
+            },
+            (None, None) => return Err(error(StatusCode::BAD_REQUEST, "invalid_path")),
+        };
+        Ok(Named { key, shown, rule })
     }
 }
 

@@ -23,10 +23,10 @@ use crate::{ConfigError, Quota};
 /// loaded quota (or "no quota of its own": `None`) is reused for the time to live; a failed
 /// load is not cached (the next request tries again). When full, the oldest entry that holds a
 /// quota goes (expired entries are the oldest), or one whose load failed, was given up or has
-/// run a whole time to live; a load still in flight is dropped only when every entry is one, so a spray of
-/// new keys neither breaks single flight nor grows the cache past its capacity. Making room
-/// looks past the loads in flight at most, never through the whole cache. Cheap to clone;
-/// clones share the cache.
+/// run a whole time to live; a load still in flight is dropped only when every entry is one,
+/// so a spray of new keys neither breaks single flight nor grows the cache past its capacity.
+/// Making room looks past the loads in flight at most, never through the whole cache. Cheap
+/// to clone; clones share the cache.
 ///
 /// ```
 /// use std::time::Duration;
@@ -193,8 +193,7 @@ fn current<'a, K: Hash + Eq>(
 impl<K: Hash + Eq> Held<K> {
     /// Drop one entry to make room: the oldest that holds a quota, that nobody waits on (its
     /// load failed or was given up) or whose load has run a whole time to live, else the oldest
-    /// load in flight. Entries replaced since are swept out on
-    /// the way. Whether one was dropped.
+    /// load in flight. Entries replaced since are swept out on the way. Whether one was dropped.
     fn evict_one(&mut self, now: Instant, ttl: Duration) -> bool {
         let mut oldest_loading = None;
         let mut i = 0;

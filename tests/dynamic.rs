@@ -165,11 +165,11 @@ async fn an_invalid_change_changes_nothing() {
     assert_eq!(rules[1].quota().limit(), 10);
 }
 
-/// While Redis is gone, each instance decides on its share of the quotas in force now.
-#[tokio::test]
-async fn the_local_fallback_takes_its_share_of_the_new_quota() {
+/// A limiter on a Redis of its own (returned, to be killed) whose outage fallback decides on
+/// half of each quota (`LocalShare(2)`), with rule "api" of `quota`.
+async fn sharing_limiter(quota: Quota) -> (Limiter, RedisServer) {
     let clock = ManualClock::new(T0);
-    let mut server = RedisServer::start();
+    let server = RedisServer::start();
     let store = RedisStore::builder()
         .connect_timeout(Duration::from_secs(2))
         .clock(clock.clone())
@@ -177,12 +177,19 @@ async fn the_local_fallback_takes_its_share_of_the_new_quota() {
         .await
         .unwrap();
     let limiter = Limiter::builder(store)
-        .rule(Rule::new("api", quota(Algorithm::FixedWindow, 10)).unwrap())
+        .rule(Rule::new("api", quota).unwrap())
         .on_store_error(OnStoreError::LocalShare(2))
         .deadline(Duration::from_millis(200))
-        .clock(clock.clone())
+        .clock(clock)
         .build()
         .unwrap();
+    (limiter, server)
+}
+
+/// While Redis is gone, each instance decides on its share of the quotas in force now.
+#[tokio::test]
+async fn the_local_fallback_takes_its_share_of_the_new_quota() {
+    let (limiter, mut server) = sharing_limiter(quota(Algorithm::FixedWindow, 10)).await;
     limiter
         .set_quota("api", quota(Algorithm::FixedWindow, 40))
         .unwrap();
@@ -196,21 +203,7 @@ async fn the_local_fallback_takes_its_share_of_the_new_quota() {
 /// throttled key stays throttled, a bigger one stays bigger, the others keep the rule's share.
 #[tokio::test]
 async fn the_local_fallback_takes_its_share_of_a_keys_own_quota() {
-    let clock = ManualClock::new(T0);
-    let mut server = RedisServer::start();
-    let store = RedisStore::builder()
-        .connect_timeout(Duration::from_secs(2))
-        .clock(clock.clone())
-        .connect(&server.url())
-        .await
-        .unwrap();
-    let limiter = Limiter::builder(store)
-        .rule(Rule::new("api", quota(Algorithm::FixedWindow, 40)).unwrap())
-        .on_store_error(OnStoreError::LocalShare(2))
-        .deadline(Duration::from_millis(200))
-        .clock(clock.clone())
-        .build()
-        .unwrap();
+    let (limiter, mut server) = sharing_limiter(quota(Algorithm::FixedWindow, 40)).await;
     let (throttled, big, plain) = (Key::new("throttled"), Key::new("big"), Key::new("plain"));
     limiter
         .set_override("api", &throttled, Some(quota(Algorithm::FixedWindow, 4)))

@@ -998,49 +998,12 @@ impl RedisCluster {
 
     /// Runs `redis-cli --cluster create` over the nodes (no stdin, bounded time).
     fn create(&self, replicas: usize) -> Result<(), String> {
-        let first = self.nodes.first().ok_or("a cluster needs nodes")?;
-        let log_path = first.dir().join("cluster-create.log");
-        let log = File::create(&log_path)
-            .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
-        let log_for_stderr = log
-            .try_clone()
-            .map_err(|e| format!("cannot duplicate the log file handle: {e}"))?;
-        let mut child = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(self.addrs())
-            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_for_stderr))
-            .spawn()
-            .map_err(|e| format!("cannot spawn redis-cli: {e}"))?;
-        let deadline = Instant::now() + CLUSTER_CREATE_TIMEOUT;
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(20)),
-                Ok(None) => {
-                    kill_and_reap(&mut child);
-                    return Err(format!(
-                        "`redis-cli --cluster create` took longer than \
-                         {CLUSTER_CREATE_TIMEOUT:?}; output:\n{}",
-                        read_lossy_from(&log_path, 0)
-                    ));
-                }
-                Err(e) => {
-                    kill_and_reap(&mut child);
-                    return Err(format!("cannot poll redis-cli: {e}"));
-                }
-            }
-        };
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "`redis-cli --cluster create` failed ({status}); output:\n{}",
-                read_lossy_from(&log_path, 0)
-            ))
-        }
+        let replicas = replicas.to_string();
+        let addrs = self.addrs();
+        let mut args = vec!["--cluster", "create"];
+        args.extend(addrs.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", &replicas, "--cluster-yes"]);
+        self.cli(&args)
     }
 
     /// Waits until every running, unpaused node reports `cluster_state:ok` and a slot map
@@ -1223,7 +1186,11 @@ impl RedisCluster {
                 Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(20)),
                 Ok(None) => {
                     kill_and_reap(&mut child);
-                    return Err(format!("redis-cli {args:?} took too long"));
+                    return Err(format!(
+                        "redis-cli {args:?} took longer than {CLUSTER_CREATE_TIMEOUT:?}; \
+                         output:\n{}",
+                        read_lossy_from(&log_path, 0)
+                    ));
                 }
                 Err(e) => return Err(format!("cannot poll redis-cli: {e}")),
             }
