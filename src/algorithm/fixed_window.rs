@@ -30,6 +30,7 @@ pub(crate) struct FixedWindow {
 }
 
 impl FixedWindow {
+    #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let period = quota.period_us();
         let limit = quota.limit();
@@ -64,6 +65,7 @@ impl FixedWindow {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         self.count += cost;
         self.taken(now, cost)

@@ -31,6 +31,7 @@ pub(crate) struct Gcra {
 }
 
 impl Gcra {
+    #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let t = quota.emission_us();
         let burst = quota.burst();
@@ -57,6 +58,7 @@ impl Gcra {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) -> Taken {
         self.tat = self.tat.max(now) + cost * quota.emission_us();
         self.taken(now, cost)

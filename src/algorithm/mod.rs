@@ -86,6 +86,11 @@ impl State {
         }
     }
 
+    /// Inlined, as every algorithm's `decide` and `commit` are: a decision returned through a
+    /// call is written field by field into a temporary and then copied with wide loads, which
+    /// the CPU cannot serve from narrower stores still in flight. That stall was a fifth of a
+    /// one-key check's time; inlined, the fields go straight to where the decision is returned.
+    #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         match self {
             State::FixedWindow(s) => s.decide(now, quota, cost),
@@ -96,7 +101,7 @@ impl State {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn commit(&mut self, now: u64, quota: &Quota, cost: u64) -> Taken {
         match self {
             State::FixedWindow(s) => s.commit(now, cost),
@@ -122,7 +127,7 @@ impl State {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
         match self {
             State::FixedWindow(s) => s.expires_at(quota),

@@ -31,6 +31,7 @@ impl SlidingLog {
         self.entries.back().map_or(now, |&last| now.max(last))
     }
 
+    #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let period = quota.period_us();
         let limit = quota.limit();
@@ -54,6 +55,7 @@ impl SlidingLog {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         let now = self.effective_now(now);
         self.entries.extend(std::iter::repeat_n(now, cost as usize));

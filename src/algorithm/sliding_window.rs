@@ -132,6 +132,7 @@ impl SlidingWindow {
         self.counts[0] * (w_ms - elapsed_ms) + self.newer * w_ms
     }
 
+    #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         self.roll(now, quota);
         let period = quota.period_us();
@@ -195,6 +196,7 @@ impl SlidingWindow {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         self.count_now(cost);
         self.taken(now, cost)

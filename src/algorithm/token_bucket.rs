@@ -55,6 +55,7 @@ impl TokenBucket {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let (scale, rate) = scale_and_rate(quota);
         let burst = quota.burst();
@@ -93,6 +94,7 @@ impl TokenBucket {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn commit(&mut self, quota: &Quota, cost: u64) -> Taken {
         self.missing += cost * quota.token_units();
         self.taken(cost)

@@ -134,6 +134,27 @@ struct Entry {
     used: u16,
 }
 
+impl Entry {
+    /// Decide a consume on a state [`Shard::held`] found, then take the permits or put the state
+    /// back, as [`decide`](Shard::decide) and [`commit`](Shard::commit) do. Inlined with the
+    /// algorithms' `decide` and `commit`, so the decision is written where it is returned (see
+    /// [`State::decide`]).
+    #[inline(always)]
+    fn consume(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
+        let undo = Undo::of(&self.state);
+        let mut decision = self.state.decide(now, quota, cost);
+        if decision.allowed {
+            let used = used_share(&decision, quota);
+            decision.taken = Some(self.state.commit(now, quota, cost));
+            self.expires_at = self.state.expires_at(quota);
+            self.used = used;
+        } else {
+            undo.restore(&mut self.state);
+        }
+        decision
+    }
+}
+
 /// Where a check's state lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
@@ -439,8 +460,8 @@ impl Inner {
         let mut shard = lock(&self.shards[self.shard_of(hash)]);
         let now = shard.at(now);
         if op == Op::Consume {
-            if let Some(decision) = shard.consume_held(check, hash, now) {
-                return decision;
+            if let Some(entry) = shard.held(check, hash, now) {
+                return entry.consume(now, check.rule.quota(), check.cost);
             }
         }
         let (mut decision, place, undo) = shard.decide(op, check, hash, now, self, true);
@@ -631,26 +652,13 @@ impl Shard {
         (decision, place, undo)
     }
 
-    /// The common case in one lookup and without allocating: a consume of a key whose state is
-    /// held under the same quota. Decides, then takes the permits or puts the state back, as
-    /// [`decide`](Shard::decide) and [`commit`](Shard::commit) do. `None`: take the long way.
-    fn consume_held(&mut self, check: &Check<'_>, hash: u64, now: u64) -> Option<Decision> {
+    /// The common case, found in one lookup: a consume of a key whose state is held under the
+    /// same quota, which [`Entry::consume`] decides without allocating. `None`: take the long
+    /// way ([`decide`](Shard::decide), then [`commit`](Shard::commit)).
+    fn held(&mut self, check: &Check<'_>, hash: u64, now: u64) -> Option<&mut Entry> {
         let quota = check.rule.quota();
         let entry = self.find(check, hash)?;
-        if !entry.state.fits(quota) || entry.state.converts(now, quota) {
-            return None;
-        }
-        let undo = Undo::of(&entry.state);
-        let mut decision = entry.state.decide(now, quota, check.cost);
-        if decision.allowed {
-            let used = used_share(&decision, quota);
-            decision.taken = Some(entry.state.commit(now, quota, check.cost));
-            entry.expires_at = entry.state.expires_at(quota);
-            entry.used = used;
-        } else {
-            undo.restore(&mut entry.state);
-        }
-        Some(decision)
+        (entry.state.fits(quota) && !entry.state.converts(now, quota)).then_some(entry)
     }
 
     /// Put back a state as it was before a decision that took nothing.
