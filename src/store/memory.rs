@@ -1,7 +1,8 @@
 //! The in-memory store: the embedded default, for one process and for tests.
 //!
-//! The map is split into shards, each behind its own mutex, so concurrent requests on different
-//! keys rarely meet. Memory is bounded: state that can no longer affect a decision is swept as
+//! The map is split into shards, each behind its own lock, so concurrent requests on different
+//! keys rarely meet; refusals that change nothing share the lock, so requests refused on one hot
+//! key do not queue behind each other either. Memory is bounded: state that can no longer affect a decision is swept as
 //! the map grows, and a maximum key count evicts, when full, the entries closest to a fresh state
 //! (the fewest permits used), never one that has used more than half of its quota. So a client
 //! spraying random keys cannot reset a key it has exhausted: an eviction gives a key back at most
@@ -11,11 +12,11 @@
 //! Memory per entry: about 120 bytes with the key inline (the README has the measured figure).
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Mutex, RwLock, RwLockWriteGuard};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
@@ -66,7 +67,7 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    shards: Box<[Mutex<Shard>]>,
+    shards: Box<[ShardCell]>,
     hasher: DefaultHashBuilder,
     clock: Arc<dyn Clock>,
     shard_capacity: usize,
@@ -135,6 +136,12 @@ struct Entry {
 }
 
 impl Entry {
+    /// Whether this is the check's (rule, key) entry.
+    fn is_for(&self, check: &Check<'_>) -> bool {
+        let rule = check.rule.shared_name();
+        self.key == *check.key && (Arc::ptr_eq(&self.rule, rule) || *self.rule == **rule)
+    }
+
     /// Decide a consume on a state [`Shard::held`] found, then take the permits or put the state
     /// back, as [`decide`](Shard::decide) and [`commit`](Shard::commit) do. Inlined with the
     /// algorithms' `decide` and `commit`, so the decision is written where it is returned (see
@@ -343,14 +350,15 @@ impl MemoryStoreBuilder {
         MemoryStore {
             inner: Arc::new(Inner {
                 shards: (0..shards)
-                    .map(|_| {
-                        Mutex::new(Shard {
+                    .map(|_| ShardCell {
+                        shard: RwLock::new(Shard {
                             table: HashTable::new(),
                             hasher,
                             next_sweep: FIRST_SWEEP.min(shard_capacity),
                             overflow: Vec::new(),
                             latest: 0,
-                        })
+                        }),
+                        refusing: AtomicBool::new(false),
                     })
                     .collect(),
                 hasher,
@@ -366,11 +374,31 @@ impl MemoryStoreBuilder {
     }
 }
 
-/// Shard locks are held for a few dozen nanoseconds: parking_lot's mutex spins briefly before
-/// parking, which keeps a contended hot key cheap, and it has no poisoning (a panic elsewhere
-/// leaves a valid rate-limit state behind).
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    shard.lock()
+/// A shard behind its lock. Shard locks are held for a few dozen nanoseconds: parking_lot's
+/// lock spins briefly before parking, which keeps a contended hot key cheap, and it has no
+/// poisoning (a panic elsewhere leaves a valid rate-limit state behind).
+///
+/// A lock for reading, not a mutex: a refusal that changes no state is decided under a shared
+/// lock ([`Shard::refusal`]), so threads refusing one hot key (an attacker's, typically) do not
+/// queue behind each other.
+struct ShardCell {
+    shard: RwLock<Shard>,
+    /// The shard's last consume was refused: the next one tries the shared lock first. A hint
+    /// only (a wrong guess costs one extra lock), so it is read and written relaxed, and only
+    /// written when it changes.
+    refusing: AtomicBool,
+}
+
+impl ShardCell {
+    fn note(&self, refused: bool) {
+        if self.refusing.load(Ordering::Relaxed) != refused {
+            self.refusing.store(refused, Ordering::Relaxed);
+        }
+    }
+}
+
+fn lock(cell: &ShardCell) -> RwLockWriteGuard<'_, Shard> {
+    cell.shard.write()
 }
 
 impl Inner {
@@ -457,11 +485,19 @@ impl Inner {
 
     fn apply_one(&self, op: Op, check: &Check<'_>, now: u64) -> Decision {
         let hash = self.hash(check);
-        let mut shard = lock(&self.shards[self.shard_of(hash)]);
+        let cell = &self.shards[self.shard_of(hash)];
+        if op == Op::Consume && cell.refusing.load(Ordering::Relaxed) {
+            if let Some(refusal) = cell.shard.read().refusal(check, hash, now) {
+                return refusal;
+            }
+        }
+        let mut shard = lock(cell);
         let now = shard.at(now);
         if op == Op::Consume {
             if let Some(entry) = shard.held(check, hash, now) {
-                return entry.consume(now, check.rule.quota(), check.cost);
+                let decision = entry.consume(now, check.rule.quota(), check.cost);
+                cell.note(!decision.allowed);
+                return decision;
             }
         }
         let (mut decision, place, undo) = shard.decide(op, check, hash, now, self, true);
@@ -480,7 +516,7 @@ impl Inner {
         let mut order: Vec<usize> = hashes.iter().map(|&h| self.shard_of(h)).collect();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<MutexGuard<'_, Shard>> =
+        let mut guards: Vec<RwLockWriteGuard<'_, Shard>> =
             order.iter().map(|&i| lock(&self.shards[i])).collect();
         let now = guards.iter().fold(now, |now, shard| now.max(shard.latest));
         for shard in guards.iter_mut() {
@@ -543,10 +579,7 @@ impl Shard {
     }
 
     fn find(&mut self, check: &Check<'_>, hash: u64) -> Option<&mut Entry> {
-        let rule = check.rule.shared_name();
-        self.table.find_mut(hash, |e| {
-            e.key == *check.key && (Arc::ptr_eq(&e.rule, rule) || *e.rule == **rule)
-        })
+        self.table.find_mut(hash, |e| e.is_for(check))
     }
 
     /// Where the check's state is, evicting to make room for a new key if the shard is full
@@ -659,6 +692,30 @@ impl Shard {
         let quota = check.rule.quota();
         let entry = self.find(check, hash)?;
         (entry.state.fits(quota) && !entry.state.converts(now, quota)).then_some(entry)
+    }
+
+    /// A consume's refusal decided without writing, under the shared lock: the key's state is
+    /// held under the same quota, is one whose refusal leaves it as it was (GCRA, the fixed
+    /// window and the token bucket put it back, or change nothing a later decision reads), and
+    /// refuses. Decided on a copy at the time [`consume`](Entry::consume) would decide at (the
+    /// shard's latest, if later): the same refusal, and since nothing changes, nothing is
+    /// recorded. `None`: decide under the exclusive lock.
+    fn refusal(&self, check: &Check<'_>, hash: u64, now: u64) -> Option<Decision> {
+        let quota = check.rule.quota();
+        let now = now.max(self.latest);
+        let entry = self.table.find(hash, |e| e.is_for(check))?;
+        if !entry.state.fits(quota) || entry.state.converts(now, quota) {
+            return None;
+        }
+        let mut copy = match &entry.state {
+            State::Gcra(s) => State::Gcra(s.clone()),
+            State::FixedWindow(s) => State::FixedWindow(s.clone()),
+            State::TokenBucket(s) => State::TokenBucket(s.clone()),
+            // Their refusals keep a roll or a clean-up, and copying them allocates.
+            State::SlidingWindow(_) | State::SlidingLog(_) => return None,
+        };
+        let decision = copy.decide(now, quota, check.cost);
+        (!decision.allowed).then_some(decision)
     }
 
     /// Put back a state as it was before a decision that took nothing.
@@ -1125,6 +1182,73 @@ mod tests {
         let late = s.check(Op::Peek, &check(1));
         assert_eq!(late.remaining, now.remaining);
         assert_eq!(late.reset_after, now.reset_after);
+    }
+
+    /// A refusal decided under the shared lock (the shard's last consume was refused) is the
+    /// refusal the exclusive path gives at the same time, and leaves the state as it was: every
+    /// algorithm, costs 1–3 on a limit of 3, and clock readings that sometimes come before the
+    /// latest decision's. Such a refusal records no time (the state did not move), so only the
+    /// exclusive path's decisions hold a late reading back.
+    #[test]
+    fn refusals_under_the_shared_lock_match_the_exclusive_path() {
+        const T0: u64 = 1_900_000_000_000_000;
+        for algorithm in Algorithm::ALL {
+            let clock = ManualClock::new(T0);
+            let s = store(&clock, 100);
+            let r = rule("r", algorithm, 3);
+            let key = Key::new("k");
+            let quota = r.quota();
+            // The exclusive path, on an entry of our own.
+            let mut reference = Entry {
+                rule: r.shared_name().clone(),
+                key: key.clone(),
+                state: State::new(quota),
+                expires_at: 0,
+                used: 0,
+            };
+            let (mut t, mut latest) = (T0, T0);
+            let (mut refused_before, mut shared) = (false, 0);
+            for step in 0..400u64 {
+                t += step * 7_919 % 150_000;
+                // Every fifth request read the clock 2 ms before the latest decision's time.
+                let read = if step % 5 == 4 { latest - 2_000 } else { t };
+                clock.set(read);
+                let cost = 1 + step % 3;
+                let got = s.check(
+                    Op::Consume,
+                    &Check {
+                        rule: &r,
+                        key: &key,
+                        cost,
+                    },
+                );
+                let at = read.max(latest);
+                let refusal = refused_before
+                    && matches!(
+                        algorithm,
+                        Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::TokenBucket
+                    )
+                    && !reference.state.clone().decide(at, quota, cost).allowed;
+                let want = if refusal {
+                    shared += 1;
+                    reference.state.clone().decide(at, quota, cost)
+                } else {
+                    latest = at;
+                    reference.consume(at, quota, cost)
+                };
+                assert_eq!(got, want, "{algorithm:?}, step {step}");
+                refused_before = !got.allowed;
+            }
+            let expected = matches!(
+                algorithm,
+                Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::TokenBucket
+            );
+            assert_eq!(
+                shared > 20,
+                expected,
+                "{algorithm:?}: {shared} shared-lock refusals"
+            );
+        }
     }
 
     #[test]
