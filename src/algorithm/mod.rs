@@ -69,6 +69,17 @@ impl State {
         )
     }
 
+    /// Whether a refusal can be decided on a copy of this state, changing nothing: copying it
+    /// allocates nothing, and the store keeps nothing of a refusal (GCRA's changes nothing a
+    /// later decision reads; the fixed window and the token bucket are put back as they were).
+    /// A sliding window keeps its roll and a log its clean-up, and both copy a heap part.
+    pub(crate) fn refuses_on_a_copy(&self) -> bool {
+        matches!(
+            self,
+            State::Gcra(_) | State::FixedWindow(_) | State::TokenBucket(_)
+        )
+    }
+
     /// Whether `decide` would convert this state, written under another quota.
     pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
         match self {

@@ -383,9 +383,10 @@ impl MemoryStoreBuilder {
 /// queue behind each other.
 struct ShardCell {
     shard: RwLock<Shard>,
-    /// The shard's last consume was refused: the next one tries the shared lock first. A hint
-    /// only (a wrong guess costs one extra lock), so it is read and written relaxed, and only
-    /// written when it changes.
+    /// The shard's last consume was refused, on a state that can refuse on a copy
+    /// ([`State::refuses_on_a_copy`]): the next one tries the shared lock first. A hint only (a
+    /// wrong guess costs one extra lock), so it is read and written relaxed, and only written
+    /// when it changes.
     refusing: AtomicBool,
 }
 
@@ -496,7 +497,7 @@ impl Inner {
         if op == Op::Consume {
             if let Some(entry) = shard.held(check, hash, now) {
                 let decision = entry.consume(now, check.rule.quota(), check.cost);
-                cell.note(!decision.allowed);
+                cell.note(!decision.allowed && entry.state.refuses_on_a_copy());
                 return decision;
             }
         }
@@ -695,8 +696,7 @@ impl Shard {
     }
 
     /// A consume's refusal decided without writing, under the shared lock: the key's state is
-    /// held under the same quota, is one whose refusal leaves it as it was (GCRA, the fixed
-    /// window and the token bucket put it back, or change nothing a later decision reads), and
+    /// held under the same quota, can refuse on a copy ([`State::refuses_on_a_copy`]), and
     /// refuses. Decided on a copy at the time [`consume`](Entry::consume) would decide at (the
     /// shard's latest, if later): the same refusal, and since nothing changes, nothing is
     /// recorded. `None`: decide under the exclusive lock.
@@ -704,17 +704,13 @@ impl Shard {
         let quota = check.rule.quota();
         let now = now.max(self.latest);
         let entry = self.table.find(hash, |e| e.is_for(check))?;
-        if !entry.state.fits(quota) || entry.state.converts(now, quota) {
+        if !entry.state.refuses_on_a_copy()
+            || !entry.state.fits(quota)
+            || entry.state.converts(now, quota)
+        {
             return None;
         }
-        let mut copy = match &entry.state {
-            State::Gcra(s) => State::Gcra(s.clone()),
-            State::FixedWindow(s) => State::FixedWindow(s.clone()),
-            State::TokenBucket(s) => State::TokenBucket(s.clone()),
-            // Their refusals keep a roll or a clean-up, and copying them allocates.
-            State::SlidingWindow(_) | State::SlidingLog(_) => return None,
-        };
-        let decision = copy.decide(now, quota, check.cost);
+        let decision = entry.state.clone().decide(now, quota, check.cost);
         (!decision.allowed).then_some(decision)
     }
 
