@@ -69,15 +69,27 @@ impl State {
         )
     }
 
-    /// Whether a refusal can be decided on a copy of this state, changing nothing: copying it
-    /// allocates nothing, and the store keeps nothing of a refusal (GCRA's changes nothing a
-    /// later decision reads; the fixed window and the token bucket are put back as they were).
-    /// A sliding window keeps its roll and a log its clean-up, and both copy a heap part.
-    pub(crate) fn refuses_on_a_copy(&self) -> bool {
-        matches!(
-            self,
-            State::Gcra(_) | State::FixedWindow(_) | State::TokenBucket(_)
-        )
+    /// Whether this state's refusals can be decided without writing
+    /// ([`refusal`](State::refusal)): the store keeps nothing of them (GCRA's change nothing a
+    /// later decision reads, the fixed window and the token bucket are put back, a sliding
+    /// window keeps only its roll, which changes no decision). A log keeps its clean-up.
+    pub(crate) fn refuses_without_writing(&self) -> bool {
+        !matches!(self, State::SlidingLog(_))
+    }
+
+    /// The refusal a consume of `cost` at `now` gets, decided without writing; `None` when it
+    /// would be admitted, or cannot be decided so (a log; a sliding window not yet rolled to
+    /// `now`, whose copy would allocate). For a state that [`fits`](State::fits) the quota and
+    /// does not [`convert`](State::converts).
+    pub(crate) fn refusal(&self, now: u64, quota: &Quota, cost: u64) -> Option<Decision> {
+        let decision = match self {
+            State::Gcra(s) => s.clone().decide(now, quota, cost),
+            State::FixedWindow(s) => s.clone().decide(now, quota, cost),
+            State::TokenBucket(s) => s.clone().decide(now, quota, cost),
+            State::SlidingWindow(s) if s.rolled(now, quota) => s.decide_rolled(now, quota, cost),
+            State::SlidingWindow(_) | State::SlidingLog(_) => return None,
+        };
+        (!decision.allowed).then_some(decision)
     }
 
     /// Whether `decide` would convert this state, written under another quota.

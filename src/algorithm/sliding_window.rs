@@ -135,6 +135,22 @@ impl SlidingWindow {
     #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         self.roll(now, quota);
+        self.decide_rolled(now, quota, cost)
+    }
+
+    /// Whether [`roll`](SlidingWindow::roll) would leave the state as it is at `now`: written
+    /// under `quota`, and already at the sub-window holding `now` (or past it).
+    pub(crate) fn rolled(&self, now: u64, quota: &Quota) -> bool {
+        let width = quota.sub_window();
+        self.period == quota.period_us()
+            && self.counts.len() as u64 == quota.sub_windows() + 1
+            && now - now % width <= self.start
+    }
+
+    /// [`decide`](SlidingWindow::decide) for a state already [`rolled`](SlidingWindow::rolled)
+    /// to `now`: it reads the state only.
+    #[inline(always)]
+    pub(crate) fn decide_rolled(&self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let period = quota.period_us();
         let width = quota.sub_window().get();
         let w_ms = quota.sub_window_ms().get();
