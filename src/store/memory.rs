@@ -2,9 +2,10 @@
 //!
 //! The map is split into shards, each behind its own lock, so concurrent requests on different
 //! keys rarely meet; refusals that write nothing share the lock, so requests refused on one hot
-//! key do not queue behind each other either. Memory is bounded: state that can no longer affect a decision is swept as
-//! the map grows, and a maximum key count evicts, when full, the entries closest to a fresh state
-//! (the fewest permits used), never one that has used more than half of its quota. So a client
+//! key do not queue behind each other either. Memory is bounded: state that can no longer affect
+//! a decision is swept as the map grows, and a maximum key count evicts, when full, the entries
+//! closest to a fresh state (the fewest permits used), never one that has used more than half of
+//! its quota. So a client
 //! spraying random keys cannot reset a key it has exhausted: an eviction gives a key back at most
 //! half of its limit. When every entry of a shard has used more than that, new keys share one
 //! overflow state per rule (or are refused; see [`Overflow`]) until entries expire.
@@ -378,15 +379,16 @@ impl MemoryStoreBuilder {
 /// lock spins briefly before parking, which keeps a contended hot key cheap, and it has no
 /// poisoning (a panic elsewhere leaves a valid rate-limit state behind).
 ///
-/// A lock for reading, not a mutex: a refusal that changes no state is decided under a shared
-/// lock ([`Shard::refusal`]), so threads refusing one hot key (an attacker's, typically) do not
-/// queue behind each other.
+/// A lock for reading, not a mutex: a refusal that writes nothing is decided under a shared
+/// lock ([`Shard::refusal`]), so threads refused on one hot key (an attacker's, typically) do
+/// not queue behind each other.
 struct ShardCell {
     shard: RwLock<Shard>,
-    /// The shard's last consume was refused, on a state that can refuse without writing
-    /// ([`State::refuses_without_writing`]): the next one tries the shared lock first. A hint only (a
-    /// wrong guess costs one extra lock), so it is read and written relaxed, and only written
-    /// when it changes.
+    /// The shard's last consume decided under the exclusive lock was refused, on a state that
+    /// can refuse without writing ([`State::refuses_without_writing`]): the next one tries the
+    /// shared lock first. A hint only (a wrong guess costs one extra lock and lookup, and an
+    /// admission clears it), so it is read and written relaxed, and only written when it
+    /// changes.
     refusing: AtomicBool,
 }
 
@@ -697,9 +699,9 @@ impl Shard {
 
     /// A consume's refusal decided without writing, under the shared lock: the key's state is
     /// held under the same quota, and [`State::refusal`] can decide its refusal without
-    /// writing. Decided on a copy at the time [`consume`](Entry::consume) would decide at (the
-    /// shard's latest, if later): the same refusal, and since nothing changes, nothing is
-    /// recorded. `None`: decide under the exclusive lock.
+    /// writing. Decided at the time [`consume`](Entry::consume) would decide at (the shard's
+    /// latest, if later): the same refusal, and since nothing changes, nothing is recorded.
+    /// `None`: decide under the exclusive lock.
     fn refusal(&self, check: &Check<'_>, hash: u64, now: u64) -> Option<Decision> {
         let quota = check.rule.quota();
         let now = now.max(self.latest);
