@@ -4,7 +4,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -79,22 +78,12 @@ struct Held<K> {
     order: VecDeque<(K, Weak<Entry>)>,
 }
 
+/// A cached quota, or its load. Requests hold a clone of its `Arc` while they wait on it, and
+/// the order only a `Weak`: an empty entry whose only holder is the map is one nobody waits
+/// on (its load failed or was given up), not a load in flight.
 struct Entry {
     quota: OnceCell<Option<Quota>>,
     created: Instant,
-    /// Requests waiting on the load now: an empty entry nobody waits on (its load failed or
-    /// was given up) is not a load in flight.
-    waiting: AtomicUsize,
-}
-
-/// A request's wait on an entry, counted from when the entry was handed out (under the lock)
-/// until the request has its answer or is dropped.
-struct Waiting(Arc<Entry>);
-
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::Release);
-    }
 }
 
 impl<K: Hash + Eq + Clone> QuotaCache<K> {
@@ -125,8 +114,8 @@ impl<K: Hash + Eq + Clone> QuotaCache<K> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Option<Quota>, E>>,
     {
-        let waiting = self.entry(key);
-        waiting.0.quota.get_or_try_init(load).await.cloned()
+        let entry = self.entry(key);
+        entry.quota.get_or_try_init(load).await.cloned()
     }
 
     /// Forget `key`'s quota (its plan changed): the next request loads it again.
@@ -144,17 +133,15 @@ impl<K: Hash + Eq + Clone> QuotaCache<K> {
         self.len() == 0
     }
 
-    fn entry(&self, key: &K) -> Waiting {
+    /// `key`'s entry, made if needed. Handed out under the lock, so an entry's holders only
+    /// grow while the lock is held ([`Held::evict_one`] counts them).
+    fn entry(&self, key: &K) -> Arc<Entry> {
         let inner = &self.inner;
         let now = Instant::now();
         let mut held = inner.held.lock();
-        let wait = |e: &Arc<Entry>| {
-            e.waiting.fetch_add(1, Ordering::Acquire);
-            Waiting(e.clone())
-        };
         if let Some(e) = held.entries.get(key) {
             if !(e.quota.initialized() && now.duration_since(e.created) >= inner.ttl) {
-                return wait(e);
+                return e.clone();
             }
         }
         while held.entries.len() >= inner.capacity && !held.entries.contains_key(key) {
@@ -165,7 +152,6 @@ impl<K: Hash + Eq + Clone> QuotaCache<K> {
         let fresh = Arc::new(Entry {
             quota: OnceCell::new(),
             created: now,
-            waiting: AtomicUsize::new(0),
         });
         held.entries.insert(key.clone(), fresh.clone());
         held.order.push_back((key.clone(), Arc::downgrade(&fresh)));
@@ -175,7 +161,7 @@ impl<K: Hash + Eq + Clone> QuotaCache<K> {
             let Held { entries, order } = &mut *held;
             order.retain(|(k, made)| current(entries, k, made).is_some());
         }
-        wait(&fresh)
+        fresh
     }
 }
 
@@ -205,7 +191,7 @@ impl<K: Hash + Eq> Held<K> {
                 }
                 Some(e) => {
                     e.quota.initialized()
-                        || e.waiting.load(Ordering::Acquire) == 0
+                        || Arc::strong_count(e) == 1
                         || now.duration_since(e.created) >= ttl
                 }
             };
