@@ -973,9 +973,10 @@ impl Inner {
     }
 
     /// Decide without the store, as the policy says. Every such decision is marked degraded.
-    /// A refusal the store gave before it went away stands until its own retry time (a blocked
-    /// or deny-listed key stays refused, whatever the policy); the request's other checks are
-    /// then only peeked, nothing taken.
+    /// A refusal the store gave before it went away stands until its own retry time, whatever
+    /// the policy, as far as the denial cache remembered it: a single-rule request on the rule's
+    /// own quota, at the same cost (so a blocked or deny-listed key stays refused when it comes
+    /// back as it was refused). The request's other checks are then only peeked, nothing taken.
     fn fallback(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
         self.degraded.fetch_add(1, Ordering::Relaxed);
         let policy = self.policy.as_ref().unwrap_or(&Policy::Open);
