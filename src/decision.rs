@@ -10,8 +10,8 @@ pub enum Source {
     Store,
     /// Permits leased from the store earlier were spent in process memory.
     Lease,
-    /// The store refused this key earlier until a time still ahead, and this process
-    /// remembered it.
+    /// This process remembered what the store said earlier: a refusal until a time still
+    /// ahead, or (while the store is unavailable) the key's listing, which may admit.
     Cache,
     /// The store was unavailable and the local fallback limiter decided.
     Fallback,
@@ -80,6 +80,9 @@ pub struct Decision {
     /// For an admission that took permits from the shared budget: where. `None` for denials,
     /// peeks, and admissions that counted nothing (fail open).
     pub(crate) taken: Option<Taken>,
+    /// The key's listing (an administrator's allow, deny or block entry) made this decision,
+    /// not its quota: this process remembers it for an outage (see `limiter::listings`).
+    pub(crate) listed: bool,
 }
 
 impl Decision {
@@ -94,6 +97,7 @@ impl Decision {
             source: Source::Store,
             degraded: false,
             taken: None,
+            listed: false,
         }
     }
 
@@ -114,6 +118,7 @@ impl Decision {
             source: Source::Store,
             degraded: false,
             taken: None,
+            listed: false,
         }
     }
 

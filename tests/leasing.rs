@@ -327,6 +327,63 @@ async fn a_listed_hot_key_takes_one_store_call_per_request() {
     assert!(calls <= 2, "{calls} calls for 50 requests of a denied key");
 }
 
+/// A hot key listed by another instance: this one learns the listing from the store's answer,
+/// then sends the key's requests to the store side by side (no lease calls, none queued behind a
+/// refill, where a burst used to wait one call at a time and could outlast its deadline), and
+/// leases the key again once the listing is lifted.
+#[tokio::test]
+async fn a_hot_key_listed_elsewhere_is_decided_side_by_side_and_leased_again_once_lifted() {
+    const BLOCK: u64 = 100;
+    const BURST: u64 = 200;
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = || rule(10_000_000, Duration::from_secs(60), Algorithm::FixedWindow);
+    let config = LeaseConfig::fixed(BLOCK).max_validity(Duration::from_secs(10));
+    let l = limiter(&server, &clock, hot(), Some(config)).await;
+    let admin = limiter(&server, &clock, hot(), None).await;
+    let key = Key::new("vip");
+    for _ in 0..BLOCK * 3 {
+        assert!(l.consume(&key, 1).await.unwrap().allowed);
+    }
+    assert_eq!(l.stats().leased_keys, 1, "the key is leased");
+    admin.allow(&key).await.unwrap();
+    // The block leased before the listing is spent; the refill after it learns the listing.
+    for _ in 0..BLOCK + 1 {
+        assert!(l.consume(&key, 1).await.unwrap().allowed);
+    }
+    let (leases, calls) = (l.stats().lease_calls, script_calls(&server));
+    let burst: Vec<_> = (0..BURST)
+        .map(|_| {
+            let (l, key) = (l.clone(), key.clone());
+            tokio::spawn(async move { l.consume(&key, 1).await.unwrap() })
+        })
+        .collect();
+    for task in burst {
+        let d = task.await.unwrap();
+        assert!(d.allowed && !d.degraded, "{d:?}");
+        assert_eq!(d.source, Source::Store);
+    }
+    assert_eq!(
+        l.stats().lease_calls,
+        leases,
+        "an allow-listed key is not leased"
+    );
+    assert_eq!(
+        script_calls(&server) - calls,
+        BURST,
+        "one store call per request"
+    );
+
+    admin.unblock(&key).await.unwrap();
+    let (leases, calls) = (l.stats().lease_calls, script_calls(&server));
+    for _ in 0..BLOCK * 3 {
+        assert!(l.consume(&key, 1).await.unwrap().allowed);
+    }
+    assert!(l.stats().lease_calls > leases, "leased again");
+    let calls = script_calls(&server) - calls;
+    assert!(calls <= 6, "{calls} store calls for {} requests", BLOCK * 3);
+}
+
 #[tokio::test]
 async fn the_sliding_log_cannot_be_leased() {
     let store = fleetlimit::MemoryStore::new();

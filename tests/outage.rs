@@ -537,3 +537,95 @@ async fn refusals_the_store_gave_stand_through_an_outage_until_their_retry_time(
     }
     assert!(!limiter.consume(&denied, 1).await.unwrap().allowed);
 }
+
+/// A listing the store applied keeps deciding its key through an outage, on every rule and at
+/// any cost, whatever the policy, though this instance never made it: a deny-listed or blocked
+/// key stays refused (until the block ends), an allow-listed one admitted, even when the request
+/// is not the one refused before (two rules, another cost: the denial cache would not answer
+/// it); a listing lifted before the outage is forgotten.
+#[tokio::test]
+async fn listings_the_store_applied_decide_their_keys_through_an_outage() {
+    let mut server = RedisServer::start();
+    let clock = fleetlimit::ManualClock::new(1_900_000_000_000_000);
+    let build = |policy: OnStoreError| {
+        let (url, clock) = (server.url(), clock.clone());
+        async move {
+            let store = RedisStore::builder()
+                .clock(clock.clone())
+                .connect_timeout(Duration::from_secs(2))
+                .connect(&url)
+                .await
+                .unwrap();
+            let quota = |n| Quota::per_minute(n).build().unwrap();
+            Limiter::builder(store)
+                .rule(Rule::new("per-minute", quota(100)).unwrap())
+                .rule(Rule::new("per-hour", quota(1_000)).unwrap())
+                .on_store_error(policy)
+                .deadline(DEADLINE)
+                .clock(clock)
+                .build()
+                .unwrap()
+        }
+    };
+    let admin = build(OnStoreError::FailOpen).await;
+    let open = build(OnStoreError::FailOpen).await;
+    let closed = build(OnStoreError::fail_closed()).await;
+    let key = |s: &str| Key::new(s);
+    let (denied, blocked, allowed, lifted, plain) = (
+        key("denied"),
+        key("blocked"),
+        key("allowed"),
+        key("lifted"),
+        key("plain"),
+    );
+    admin.deny(&denied).await.unwrap();
+    admin
+        .block(&blocked, Duration::from_secs(30))
+        .await
+        .unwrap();
+    admin.allow(&allowed).await.unwrap();
+    admin.deny(&lifted).await.unwrap();
+    for l in [&open, &closed] {
+        for k in [&denied, &blocked, &lifted] {
+            let d = l.consume(k, 1).await.unwrap();
+            assert!(!d.allowed && !d.degraded, "{k:?}: the store refuses");
+        }
+        let d = l.consume(&allowed, 1).await.unwrap();
+        assert!(d.allowed && !d.degraded);
+    }
+    admin.unblock(&lifted).await.unwrap();
+    for l in [&open, &closed] {
+        assert!(l.consume(&lifted, 1).await.unwrap().allowed, "lifted");
+    }
+    server.kill();
+    clock.advance(Duration::from_secs(5));
+    for (name, l) in [("fail open", &open), ("fail closed", &closed)] {
+        for k in [&denied, &blocked] {
+            // Another cost than the refused request's, on both rules.
+            let d = l.consume(k, 3).await.unwrap();
+            assert!(!d.allowed && d.degraded, "{name}, {k:?}: {d:?}");
+            assert_eq!(d.source, Source::Cache, "{name}, {k:?}");
+        }
+        let wait = l.consume(&blocked, 1).await.unwrap().retry_after.unwrap();
+        assert!(
+            wait <= Duration::from_secs(25) && wait > Duration::from_secs(20),
+            "{name}: the block's own end: {wait:?}"
+        );
+        let wait = l.consume(&denied, 1).await.unwrap().retry_after.unwrap();
+        assert!(
+            wait > Duration::from_secs(86_000),
+            "{name}: the deny list's day"
+        );
+        let d = l.consume(&allowed, 7).await.unwrap();
+        assert!(d.allowed && d.degraded, "{name}: allow-listed: {d:?}");
+    }
+    // The rest is the policy's, the lifted listing included.
+    for k in [&lifted, &plain] {
+        assert!(open.consume(k, 1).await.unwrap().allowed, "{k:?}");
+        assert!(!closed.consume(k, 1).await.unwrap().allowed, "{k:?}");
+    }
+    // The block ended: the policy decides that key too; the deny list stands.
+    clock.advance(Duration::from_secs(30));
+    assert!(open.consume(&blocked, 1).await.unwrap().allowed);
+    assert!(!open.consume(&denied, 1).await.unwrap().allowed);
+}

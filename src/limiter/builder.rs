@@ -246,6 +246,7 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 breakers: Breakers::new(domains, self.breaker),
                 clock: self.clock,
                 degraded: AtomicU64::new(0),
+                listings: Default::default(),
                 lines: Default::default(),
             }),
         })

@@ -29,6 +29,7 @@ impl Inner {
                 .await
             {
                 Some(decisions) => {
+                    self.learn_listings(checks, &decisions, asked_at);
                     if let ([check], [d], Op::Consume) = (checks, decisions.as_slice(), op) {
                         self.remember(check, d, asked_at);
                     }
@@ -55,6 +56,7 @@ impl Inner {
                 self.compensate(checks, &mut out, &taken, deadline).await;
                 return self.fallback(op, checks);
             };
+            self.learn_listings(&group, &decisions, asked_at);
             let all_allowed = decisions.iter().all(|d| d.allowed);
             for (&i, d) in members.iter().zip(decisions) {
                 out[i] = Some(d);
@@ -73,6 +75,18 @@ impl Inner {
         match out.into_iter().collect::<Option<Vec<_>>>() {
             Some(decisions) => decisions,
             None => self.fallback(op, checks),
+        }
+    }
+
+    /// Learn which keys the store decided by their listing (and which no longer), for an outage.
+    pub(super) fn learn_listings(
+        &self,
+        checks: &[Check<'_>],
+        decisions: &[Decision],
+        asked_at: u64,
+    ) {
+        for (c, d) in checks.iter().zip(decisions) {
+            self.listings.observe(c.key, d, asked_at);
         }
     }
 

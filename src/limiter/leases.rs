@@ -212,6 +212,11 @@ impl Inner {
         if let Some(d) = slot.block.load().spend(check.cost, now) {
             return Ok(Some(d));
         }
+        if self.listings.is_listed(check.key, now) {
+            // Decided by its listing request by request: no block to wait for, and no reason
+            // to queue behind the refill lock one call at a time.
+            return self.decide_direct(check, deadline).await.map(Some);
+        }
         self.refill(&slot, &config, check, rate, deadline)
             .await
             .map(Some)
@@ -302,16 +307,20 @@ impl Inner {
         };
         if lease.listed {
             // Its listing decides each request, and the lease call has decided this one: no
-            // second call. Whatever the old block held goes back.
+            // second call. Whatever the old block held goes back. Its next requests go to the
+            // store directly, side by side, while it stays listed.
             let old = slot.block.swap(Arc::new(Block::empty()));
             self.give_back_later(check, &old);
             let decision = Decision {
                 taken: None,
+                listed: true,
                 ..lease.state
             };
+            self.listings.observe(check.key, &decision, started);
             self.remember(check, &decision, started);
             return Ok(decision);
         }
+        self.listings.observe(check.key, &lease.state, started);
         if let Some(index) = self.rule_index(check.rule) {
             self.telemetry.lease_block(index);
         }
@@ -355,6 +364,7 @@ impl Inner {
             .and_then(|mut d| d.pop())
         {
             Some(d) => {
+                self.listings.observe(check.key, &d, asked_at);
                 self.remember(check, &d, asked_at);
                 Ok(d)
             }

@@ -3,8 +3,8 @@
 //!
 //! Its parts, each with its promise and tests beside it: [`policy`] (the outage policy and the
 //! one deadline of a decision), [`breaker`] (a circuit breaker per failure domain), [`leases`]
-//! (hot keys spent from leased blocks), [`denials`] (remembered store denials) and [`rate`] (how
-//! often a key is seen). This file is the public API and the order in which they are asked.
+//! (hot keys spent from leased blocks), [`denials`] (remembered store denials), [`listings`]
+//! (remembered allow, deny and block entries) and [`rate`] (how often a key is seen). This file is the public API and the order in which they are asked.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +22,7 @@ mod domains;
 mod heavy;
 mod lease_config;
 mod leases;
+mod listings;
 mod penalty;
 mod policy;
 mod rate;
@@ -175,6 +176,8 @@ struct Inner {
     clock: Arc<dyn Clock>,
     leases: Leases,
     denials: Option<DenialCache>,
+    /// The listed keys seen (used only for a store that can fail).
+    listings: listings::ListingMemory,
     degraded: AtomicU64,
     /// Callers of [`Limiter::until_ready`] waiting their turn, per key.
     lines: waiting::Lines,
@@ -656,6 +659,9 @@ impl Limiter {
         if let Some(denials) = &self.inner.denials {
             denials.forget(key);
         }
+        self.inner
+            .listings
+            .set(key, listing, self.inner.clock.now_us());
         Ok(())
     }
 
@@ -973,34 +979,59 @@ impl Inner {
     }
 
     /// Decide without the store, as the policy says. Every such decision is marked degraded.
-    /// A refusal the store gave before it went away stands until its own retry time, whatever
-    /// the policy, as far as the denial cache remembered it: a single-rule request on the rule's
-    /// own quota, at the same cost (so a blocked or deny-listed key stays refused when it comes
-    /// back as it was refused). The request's other checks are then only peeked, nothing taken.
+    /// What the store told this process before it went away outranks the policy, check by
+    /// check: a key it decided by its listing stays decided by it (refused until the listing's
+    /// end, on any rule and at any cost, or admitted counting nothing; see [`listings`]), and a
+    /// refusal the denial cache remembered (a single-rule request on the rule's own quota, at the
+    /// same cost) stands until its own retry time. When one check is refused, the others are
+    /// only peeked, nothing taken; allow-listed checks are left out of what the policy counts.
     fn fallback(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
         self.degraded.fetch_add(1, Ordering::Relaxed);
         let policy = self.policy.as_ref().unwrap_or(&Policy::Open);
         let now = self.clock.now_us();
-        let refused: Vec<Option<Decision>> = match &self.denials {
-            Some(denials) if op == Op::Consume => checks
-                .iter()
-                .map(|c| {
-                    let index = self.rule_index(c.rule)?;
-                    let mut d = denials.get_in_outage(&(index, c.key.clone()), c.cost, now)?;
-                    d.degraded = true;
-                    Some(d)
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
-        if refused.iter().all(Option::is_none) {
+        let known: Vec<Option<Decision>> = checks
+            .iter()
+            .map(|c| {
+                if let Some(d) = self
+                    .listings
+                    .in_outage(c.key, c.rule.quota().capacity(), now)
+                {
+                    return Some(d);
+                }
+                let denials = self.denials.as_ref().filter(|_| op == Op::Consume)?;
+                let index = self.rule_index(c.rule)?;
+                let mut d = denials.get_in_outage(&(index, c.key.clone()), c.cost, now)?;
+                d.degraded = true;
+                Some(d)
+            })
+            .collect();
+        if known.iter().all(Option::is_none) {
             return policy.decide(op, checks);
         }
-        policy
-            .decide(Op::Peek, checks)
-            .into_iter()
-            .zip(refused)
-            .map(|(peeked, refused)| refused.unwrap_or(peeked))
+        if known.iter().flatten().any(|d| !d.allowed) {
+            return policy
+                .decide(Op::Peek, checks)
+                .into_iter()
+                .zip(known)
+                .map(|(peeked, known)| known.unwrap_or(peeked))
+                .collect();
+        }
+        let unknown: Vec<Check<'_>> = checks
+            .iter()
+            .zip(&known)
+            .filter(|(_, known)| known.is_none())
+            .map(|(c, _)| *c)
+            .collect();
+        let mut decided = policy.decide(op, &unknown).into_iter();
+        checks
+            .iter()
+            .zip(known)
+            .map(|(c, known)| {
+                known.or_else(|| decided.next()).unwrap_or_else(|| {
+                    // Unreachable: the policy answers one decision per check it is given.
+                    Decision::deny(c.rule.quota().capacity(), 0, Duration::ZERO, None)
+                })
+            })
             .collect()
     }
 
@@ -1063,6 +1094,8 @@ impl Inner {
                 if let Some(denials) = &self.denials {
                     denials.forget(key);
                 }
+                self.listings
+                    .set(key, Some(Listing::Block(block)), self.clock.now_us());
                 tracing::info!(key = %key, ?block, "fleetlimit: the penalty box blocked a key");
             }
             Err(error) => tracing::warn!(

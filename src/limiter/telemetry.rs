@@ -18,7 +18,8 @@
 //! Outcomes: `allowed` and `denied` (the store decided), `lease_allowed`/`lease_denied`
 //! (spent from a leased block), `cache_denied` (a remembered denial), `fallback_allowed` and
 //! `fallback_denied` (the local fallback during an outage), `outage_allowed` and
-//! `outage_denied` (fail open, fail closed); the layer adds `shadow_denied` (shadow mode let
+//! `outage_denied` (fail open, fail closed; an allow-listed key admitted during an outage is
+//! `outage_allowed`, a listed key refused then is `cache_denied`); the layer adds `shadow_denied` (shadow mode let
 //! through a request the limiter denied, which also counts as `denied`).
 
 use std::time::Duration;
@@ -48,7 +49,9 @@ fn outcome(d: &Decision) -> usize {
         (Source::Store, false) => 1,
         (Source::Lease, true) => 2,
         (Source::Lease, false) => 3,
-        (Source::Cache, _) => 4,
+        (Source::Cache, false) => 4,
+        // Only a remembered allow listing admits from the cache, while the store is away.
+        (Source::Cache, true) => 7,
         (Source::Fallback, true) => 5,
         (Source::Fallback, false) => 6,
         (Source::Policy, true) => 7,

@@ -470,16 +470,20 @@ impl Inner {
             .map(|(c, l)| {
                 // As the script does: the state as a request of cost 1 sees it.
                 let peeked = || self.apply_one(Op::Peek, &Check { cost: 1, ..*c }, now);
+                let by_listing = |d: Decision| Decision { listed: true, ..d };
                 match l {
                     None => rest.next().unwrap_or_else(peeked),
-                    Some(Listed::Allow) => Decision {
+                    Some(Listed::Allow) => by_listing(Decision {
                         allowed: true,
                         ..peeked()
-                    },
-                    Some(Listed::Deny) => refused(peeked(), crate::store::DENY_RETRY_AFTER),
-                    Some(Listed::Until(t)) => {
-                        refused(peeked(), Duration::from_micros(t.saturating_sub(now)))
+                    }),
+                    Some(Listed::Deny) => {
+                        by_listing(refused(peeked(), crate::store::DENY_RETRY_AFTER))
                     }
+                    Some(Listed::Until(t)) => by_listing(refused(
+                        peeked(),
+                        Duration::from_micros(t.saturating_sub(now)),
+                    )),
                 }
             })
             .collect();

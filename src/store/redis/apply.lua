@@ -16,7 +16,7 @@
 -- ran) answers what the first answered and gives nothing back twice.
 -- Returns 6 integers per check: allowed (1/0), limit, remaining, reset after (µs), retry after
 -- (µs, -1 when none), and where the permits were taken (the receipt's anchor, -1 when nothing
--- was taken); for 'lease', then the permits granted, until when they are valid, for how long
+-- was taken, -2 when the key's listing decided and nothing was taken); for 'lease', then the permits granted, until when they are valid, for how long
 -- from now, the block's anchor, and whether the key is listed (1/0: then nothing is granted
 -- and the decision is the listing's, for each request).
 local ALGORITHMS = { fixed_window, sliding_log, sliding_window, token_bucket, gcra }
@@ -31,6 +31,8 @@ local once = nil
 local with_listings = op ~= 'refund' and #KEYS >= 2 * nchecks
 -- A deny-list entry has no end: its clients are told to come back in a day.
 local DENY_WAIT_US = 86400000000
+-- The anchor of a decision made by the key's listing: nothing taken.
+local LISTED = -2
 if op == 'refund' then
   once = KEYS[nchecks + 1]
   local answered = redis.call('GET', once)
@@ -117,7 +119,7 @@ end
 
 if op == 'lease' and listing[1] ~= nil then
   -- A listed key is decided request by request: no block.
-  emit(decide_listed(checks[1], listing[1]), -1)
+  emit(decide_listed(checks[1], listing[1]), LISTED)
   out[#out + 1] = 0
   out[#out + 1] = now
   out[#out + 1] = 0
@@ -171,6 +173,7 @@ for i, c in ipairs(checks) do
   local d = decisions[i]
   local taken = -1
   if listing[i] ~= nil then
+    taken = LISTED
     -- Counted nothing; a state read under another quota keeps its conversion.
     if c.st.dirty then c.alg.save(c.st, now, c.q) end
   elseif op == 'consume' and all_allowed then

@@ -50,6 +50,8 @@ pub const MIN_REDIS_VERSION: (u32, u32) = (5, 0);
 
 /// Numbers the script answers per check.
 const PER_DECISION: usize = 6;
+/// The anchor the script answers for a decision made by the key's listing (nothing taken).
+const LISTED: i64 = -2;
 
 /// Reads and sets a key's listing (`listing.lua`); admin calls are rare, so it is sent whole.
 const LISTING_SCRIPT: &str = include_str!("listing.lua");
@@ -1123,6 +1125,7 @@ fn parse_decisions(values: &[i64], checks: &[Check<'_>]) -> Result<Vec<Decision>
             } else {
                 Decision::deny(limit, remaining, us(reset), retry)
             };
+            d.listed = v[5] == LISTED;
             d.taken = u64::try_from(v[5]).ok().map(|at| Taken {
                 at,
                 cost: check.cost,

@@ -1,0 +1,641 @@
+//! Hot keys: permits leased from the store in blocks and spent in process memory.
+//!
+//! Promise: a block's permits are deducted from the shared budget when granted, so the fleet
+//! never spends more than the store allowed; a spent permit carries the block's receipt, so a
+//! refund of it goes back where it was taken; no permit of a block is lost: unspent ones are
+//! given back through the block's receipt when the block is replaced, when it expires, when its
+//! key goes quiet, and at shutdown (a window's permits until the window ends, a bucket's as far as
+//! it has not refilled them). One refill per key is in flight, and waiting for it is part of the
+//! decision's one deadline. Lease admissions report the shared budget as last seen plus what this
+//! process still holds, with `reset_after` counted down to the moment of the answer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use super::denials::SlotKey;
+use super::lease_config::LeaseConfig;
+use super::policy::Deadline;
+use super::rate::RateMeter;
+use super::Inner;
+use crate::error::Error;
+use crate::store::{Check, Op, Refund};
+use crate::{Decision, Key, Rule, Source, Taken};
+
+/// One block of leased permits.
+#[derive(Debug)]
+struct Block {
+    permits: AtomicU64,
+    /// Spend only before this (µs, the limiter's clock).
+    deadline: u64,
+    /// Where the block's permits were taken.
+    taken: Option<Taken>,
+    /// The shared state as last seen (after the grant).
+    seen: Decision,
+    /// When the shared state is full again (µs, the limiter's clock), for `reset_after`.
+    reset_at: u64,
+}
+
+impl Block {
+    fn empty() -> Block {
+        Block {
+            permits: AtomicU64::new(0),
+            deadline: 0,
+            taken: None,
+            seen: Decision::admit(0, 0, Duration::ZERO),
+            reset_at: 0,
+        }
+    }
+
+    /// Spend `cost` permits at `now`; `None` means refill.
+    fn spend(&self, cost: u64, now: u64) -> Option<Decision> {
+        if now >= self.deadline {
+            return None;
+        }
+        let mut left = self.permits.load(Ordering::Acquire);
+        loop {
+            if left < cost {
+                return None;
+            }
+            match self.permits.compare_exchange_weak(
+                left,
+                left - cost,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(self.admission(left - cost, cost, now)),
+                Err(now_left) => left = now_left,
+            }
+        }
+    }
+
+    /// An admission from this block: `remaining` is the shared budget as last seen plus what
+    /// this process still holds (it never grows between store calls); its receipt is the
+    /// block's.
+    fn admission(&self, left: u64, cost: u64, now: u64) -> Decision {
+        let mut d = Decision::admit(
+            self.seen.limit,
+            self.seen.remaining + left,
+            Duration::from_micros(self.reset_at.saturating_sub(now)),
+        );
+        d.source = Source::Lease;
+        d.taken = self.taken.map(|t| t.part(cost));
+        d
+    }
+
+    /// Take every unspent permit out of the block, with the receipt to give them back through.
+    fn drain(&self) -> Option<Taken> {
+        let unspent = self.permits.swap(0, Ordering::AcqRel);
+        self.taken.filter(|_| unspent > 0).map(|t| t.part(unspent))
+    }
+}
+
+/// A key in leased mode.
+#[derive(Debug)]
+struct Slot {
+    block: ArcSwap<Block>,
+    /// One lease request in flight per key in this process.
+    refill: tokio::sync::Mutex<()>,
+    last_used: AtomicU64,
+    rate: RateMeter,
+    /// Set when the sweeper takes the slot out of leased mode: a refill that gets the lock
+    /// afterwards decides through the store rather than strand a block in a slot nobody sees.
+    retired: AtomicBool,
+}
+
+/// The most keys whose rate is tracked for promotion.
+const MAX_CANDIDATES: usize = 10_000;
+/// The most keys in leased mode at once; further hot keys are decided by the store.
+const MAX_LEASED_KEYS: usize = 4_096;
+/// How often the sweeper looks for quiet keys and expired blocks.
+const SWEEP_EVERY: Duration = Duration::from_millis(50);
+
+/// The leasing state of a limiter.
+pub(crate) struct Leases {
+    configs: Box<[Option<LeaseConfig>]>,
+    slots: ArcSwap<HashMap<SlotKey, Arc<Slot>>>,
+    /// Rates of keys not (yet) leased, for promotion; bounded.
+    candidates: Mutex<HashMap<SlotKey, RateMeter>>,
+    sweeper: AtomicBool,
+    lease_calls: AtomicU64,
+}
+
+impl Leases {
+    pub(crate) fn new(configs: Box<[Option<LeaseConfig>]>) -> Leases {
+        Leases {
+            configs,
+            slots: ArcSwap::from_pointee(HashMap::new()),
+            candidates: Mutex::new(HashMap::new()),
+            sweeper: AtomicBool::new(false),
+            lease_calls: AtomicU64::new(0),
+        }
+    }
+
+    /// No rule is leased: every decision can go straight to the store.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.configs.iter().all(Option::is_none)
+    }
+
+    /// How rule `index` is leased, if it is.
+    pub(crate) fn config(&self, index: usize) -> Option<LeaseConfig> {
+        self.configs.get(index).copied().flatten()
+    }
+
+    pub(crate) fn lease_calls(&self) -> u64 {
+        self.lease_calls.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn leased_keys(&self) -> usize {
+        self.slots.load().len()
+    }
+
+    /// Keep the rate of a key leaving leased mode among the promotion candidates.
+    fn remember_rate(&self, key: SlotKey, rate: &RateMeter) {
+        let mut candidates = self.candidates.lock().unwrap_or_else(|e| e.into_inner());
+        if candidates.len() < MAX_CANDIDATES {
+            candidates.insert(key, rate.snapshot());
+        }
+    }
+
+    /// Should this key be leased now? Counts the request toward its rate.
+    fn promote(&self, config: &LeaseConfig, key: &SlotKey, now: u64) -> bool {
+        if config.block.is_some() {
+            return true;
+        }
+        let mut candidates = self.candidates.lock().unwrap_or_else(|e| e.into_inner());
+        if candidates.len() >= MAX_CANDIDATES && !candidates.contains_key(key) {
+            // Forget keys not seen this second or the last.
+            let second = now / 1_000_000;
+            candidates.retain(|_, m| m.last_second() + 1 >= second);
+            if candidates.len() >= MAX_CANDIDATES {
+                return false;
+            }
+        }
+        let hot = candidates.entry(key.clone()).or_default().tick(now) >= config.promote_at;
+        if hot {
+            candidates.remove(key);
+        }
+        hot
+    }
+}
+
+impl Inner {
+    /// Decide a single-rule consume from a leased block when this process can. `Ok(None)`: the
+    /// rule is not leased here (or the key not hot yet): ask the store.
+    pub(super) async fn decide_leased(
+        &self,
+        index: usize,
+        check: &Check<'_>,
+        deadline: Deadline,
+    ) -> Result<Option<Decision>, Error> {
+        let leasable = check.cost <= check.rule.quota().capacity();
+        let Some(config) = self.leases.config(index).filter(|_| leasable) else {
+            return Ok(None);
+        };
+        let now = self.clock.now_us();
+        let key: SlotKey = (index, check.key.clone());
+        let leases = &self.leases;
+        let slot = match leases.slots.load().get(&key).cloned() {
+            Some(slot) => slot,
+            None if leases.slots.load().len() < MAX_LEASED_KEYS
+                && leases.promote(&config, &key, now) =>
+            {
+                self.insert_slot(key, now)
+            }
+            None => return Ok(None),
+        };
+        slot.last_used.store(now, Ordering::Relaxed);
+        let rate = slot.rate.tick(now);
+        if let Some(d) = slot.block.load().spend(check.cost, now) {
+            return Ok(Some(d));
+        }
+        if self.listings.is_listed(check.key, now) {
+            // Decided by its listing request by request: no block to wait for, and no reason
+            // to queue behind the refill lock one call at a time.
+            return self.decide_direct(check, deadline).await.map(Some);
+        }
+        self.refill(&slot, &config, check, rate, deadline)
+            .await
+            .map(Some)
+    }
+
+    /// Permits from the key's leased block, when it holds enough: no promotion, no refill (both
+    /// wait for the store; [`decide_leased`](Inner::decide_leased) does them).
+    pub(super) fn spend_leased(
+        &self,
+        index: usize,
+        check: &Check<'_>,
+        now: u64,
+    ) -> Option<Decision> {
+        if check.cost > check.rule.quota().capacity() {
+            return None;
+        }
+        self.leases.config(index)?;
+        let slots = self.leases.slots.load();
+        let slot = slots.get(&(index, check.key.clone()))?;
+        let decision = slot.block.load().spend(check.cost, now)?;
+        slot.last_used.store(now, Ordering::Relaxed);
+        let _rate = slot.rate.tick(now);
+        Some(decision)
+    }
+
+    fn insert_slot(&self, key: SlotKey, now: u64) -> Arc<Slot> {
+        let slot = Arc::new(Slot {
+            block: ArcSwap::from_pointee(Block::empty()),
+            refill: tokio::sync::Mutex::new(()),
+            last_used: AtomicU64::new(now),
+            rate: RateMeter::default(),
+            retired: AtomicBool::new(false),
+        });
+        let mut winner = slot.clone();
+        self.leases.slots.rcu(|map| {
+            let mut map = HashMap::clone(map);
+            winner = map
+                .entry(key.clone())
+                .or_insert_with(|| slot.clone())
+                .clone();
+            map
+        });
+        self.start_sweeper();
+        winner
+    }
+
+    /// Refill a slot's block: one lease request per key in flight; the others wait for it,
+    /// within their own deadline.
+    async fn refill(
+        &self,
+        slot: &Slot,
+        config: &LeaseConfig,
+        check: &Check<'_>,
+        rate: f64,
+        deadline: Deadline,
+    ) -> Result<Decision, Error> {
+        let Ok(_one_at_a_time) = deadline.run(slot.refill.lock()).await else {
+            // Waited out the deadline behind another refill: the store did not answer in time.
+            return Ok(self.policy_decision(check));
+        };
+        let started = self.clock.now_us();
+        // Someone may have refilled while we waited, or learnt that the key is refused.
+        if let Some(d) = slot.block.load().spend(check.cost, started) {
+            return Ok(d);
+        }
+        if let Some(d) = self.remembered(check, started) {
+            return Ok(d);
+        }
+        if slot.retired.load(Ordering::Acquire) {
+            return self.decide_direct(check, deadline).await;
+        }
+        let want = config.block_size(check.rule.quota(), rate, check.cost);
+        let lease_check = Check {
+            cost: want,
+            ..*check
+        };
+        self.leases.lease_calls.fetch_add(1, Ordering::Relaxed);
+        let Some(lease) = self
+            .call_store(
+                "lease",
+                std::slice::from_ref(check),
+                deadline,
+                self.store.lease(lease_check, config.max_validity),
+            )
+            .await
+        else {
+            return Ok(self.policy_decision(check));
+        };
+        if lease.listed {
+            // Its listing decides each request, and the lease call has decided this one: no
+            // second call. Whatever the old block held goes back. Its next requests go to the
+            // store directly, side by side, while it stays listed.
+            let old = slot.block.swap(Arc::new(Block::empty()));
+            self.give_back_later(check, &old);
+            let decision = Decision {
+                taken: None,
+                listed: true,
+                ..lease.state
+            };
+            self.listings.observe(check.key, &decision, started);
+            self.remember(check, &decision, started);
+            return Ok(decision);
+        }
+        self.listings.observe(check.key, &lease.state, started);
+        if let Some(index) = self.rule_index(check.rule) {
+            self.telemetry.lease_block(index);
+        }
+        let block = |permits: u64| Block {
+            permits: AtomicU64::new(permits),
+            deadline: started + lease.valid_for.as_micros() as u64,
+            taken: Some(lease.taken),
+            seen: lease.state,
+            reset_at: started + lease.state.reset_after.as_micros() as u64,
+        };
+        if lease.permits >= check.cost {
+            let fresh = block(lease.permits - check.cost);
+            let decision = fresh.admission(lease.permits - check.cost, check.cost, started);
+            let old = slot.block.swap(Arc::new(fresh));
+            self.give_back_later(check, &old);
+            return Ok(decision);
+        }
+        // Not enough for this request: keep what was granted for smaller ones, and let the
+        // store decide this one directly, within the same deadline.
+        let old = slot.block.swap(Arc::new(block(lease.permits)));
+        self.give_back_later(check, &old);
+        self.decide_direct(check, deadline).await
+    }
+
+    /// One store decision for one check, or the policy's when the store cannot answer in time.
+    async fn decide_direct(
+        &self,
+        check: &Check<'_>,
+        deadline: Deadline,
+    ) -> Result<Decision, Error> {
+        let checks = std::slice::from_ref(check);
+        let asked_at = self.clock.now_us();
+        match self
+            .call_store(
+                "apply",
+                checks,
+                deadline,
+                self.store.apply(Op::Consume, checks),
+            )
+            .await
+            .and_then(|mut d| d.pop())
+        {
+            Some(d) => {
+                self.listings.observe(check.key, &d, asked_at);
+                self.remember(check, &d, asked_at);
+                Ok(d)
+            }
+            None => Ok(self.policy_decision(check)),
+        }
+    }
+
+    /// The store could not decide: the outage policy decides this request.
+    fn policy_decision(&self, check: &Check<'_>) -> Decision {
+        self.fallback(Op::Consume, std::slice::from_ref(check))
+            .pop()
+            .unwrap_or_else(|| Decision::deny(0, 0, Duration::ZERO, None))
+    }
+
+    /// Give a replaced block's unspent permits back in the background, through its receipt.
+    fn give_back_later(&self, check: &Check<'_>, old: &Block) {
+        let Some(taken) = old.drain() else {
+            return;
+        };
+        let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let (rule, key) = (check.rule.clone(), check.key.clone());
+        runtime.spawn(async move {
+            me.return_permits(&rule, &key, taken).await;
+        });
+    }
+
+    /// Return unspent permits through their receipt; false when the store could not take them
+    /// (they come back by themselves when the window ends or the bucket refills).
+    async fn return_permits(&self, rule: &Rule, key: &Key, taken: Taken) -> bool {
+        let refund = [Refund { rule, key, taken }];
+        let given = self
+            .give_back(&refund, Deadline::after(self.deadline))
+            .await;
+        if given {
+            super::telemetry::lease_returned(rule, taken.cost());
+        } else {
+            super::telemetry::lease_expired(rule, taken.cost());
+            tracing::debug!(
+                rule = rule.name(),
+                "fleetlimit: could not give leased permits back; they return when the window ends or the bucket refills"
+            );
+        }
+        given
+    }
+
+    fn start_sweeper(&self) {
+        if self.leases.sweeper.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.leases.sweeper.store(false, Ordering::Release);
+            return;
+        };
+        runtime.spawn(sweep(self.me.clone()));
+    }
+
+    /// Give back every unspent leased permit now (for a shutdown) and leave leased mode.
+    pub(super) async fn release_all(&self) {
+        let slots = self.leases.slots.swap(Arc::new(HashMap::new()));
+        for ((index, key), slot) in slots.iter() {
+            self.retire(*index, key, slot).await;
+        }
+    }
+
+    /// Take a slot out of leased mode: wait for a refill in flight, then give its block back.
+    async fn retire(&self, index: usize, key: &Key, slot: &Slot) {
+        slot.retired.store(true, Ordering::Release);
+        let _no_refill = slot.refill.lock().await;
+        self.return_block(index, key, slot).await;
+    }
+
+    /// Give back what a slot's block still holds, leaving an empty block.
+    async fn return_block(&self, index: usize, key: &Key, slot: &Slot) {
+        let block = slot.block.swap(Arc::new(Block::empty()));
+        let rules = self.rules.load_full();
+        if let (Some(rule), Some(taken)) = (rules.get(index), block.drain()) {
+            self.return_permits(rule, key, taken).await;
+        }
+    }
+
+    /// One pass of the sweeper at `now`: quiet keys leave leased mode, and expired blocks of
+    /// busy keys give their unspent permits back.
+    pub(super) async fn sweep_once(&self, now: u64) {
+        let slots = self.leases.slots.load_full();
+        let mut quiet: Vec<(SlotKey, Arc<Slot>)> = Vec::new();
+        for ((index, key), slot) in slots.iter() {
+            let idle = self
+                .leases
+                .config(*index)
+                .map_or(Duration::ZERO, |c| c.idle);
+            if slot.last_used.load(Ordering::Relaxed) + idle.as_micros() as u64 <= now {
+                quiet.push(((*index, key.clone()), slot.clone()));
+            } else if now >= slot.block.load().deadline {
+                // Unless a refill is replacing the block right now (it gives the old one back).
+                if let Ok(_no_refill) = slot.refill.try_lock() {
+                    self.return_block(*index, key, slot).await;
+                }
+            }
+        }
+        if quiet.is_empty() {
+            return;
+        }
+        self.leases.slots.rcu(|map| {
+            let mut map = HashMap::clone(map);
+            for (k, slot) in &quiet {
+                // Only the slot judged quiet, not one inserted again since.
+                if map.get(k).is_some_and(|current| Arc::ptr_eq(current, slot)) {
+                    map.remove(k);
+                }
+            }
+            map
+        });
+        for ((index, key), slot) in &quiet {
+            self.retire(*index, key, slot).await;
+            // A key that comes back at the same pace is leased again at once.
+            self.leases.remember_rate((*index, key.clone()), &slot.rate);
+        }
+    }
+}
+
+/// Every 50 ms, a sweep; ends with the limiter.
+async fn sweep(me: Weak<Inner>) {
+    /// Lets a later lease start the sweeper again if this task ends early (its runtime shut
+    /// down while the limiter lives on).
+    struct Restartable(Weak<Inner>);
+    impl Drop for Restartable {
+        fn drop(&mut self) {
+            if let Some(inner) = self.0.upgrade() {
+                inner.leases.sweeper.store(false, Ordering::Release);
+            }
+        }
+    }
+    let _restartable = Restartable(me.clone());
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    loop {
+        tick.tick().await;
+        let Some(inner) = me.upgrade() else {
+            return;
+        };
+        let now = inner.clock.now_us();
+        inner.sweep_once(now).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Op;
+    use crate::{Algorithm, Clock, Limiter, ManualClock, MemoryStore, OnStoreError};
+
+    const T0: u64 = 1_735_689_600_000_000;
+
+    /// A limiter leasing rule "hot" from a memory store, on a manual clock; the store as peeked
+    /// by a second, unleased limiter.
+    fn fleet(config: LeaseConfig) -> (Limiter, Limiter, ManualClock) {
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let rule = Rule::new(
+            "hot",
+            crate::Quota::per_minute(100)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let leased = Limiter::builder(store.clone())
+            .rule(rule.clone())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", config)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let plain = Limiter::builder(store).rule(rule).build().unwrap();
+        (leased, plain, clock)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn spent_permits_carry_the_blocks_receipt() {
+        let (leased, plain, _) = fleet(LeaseConfig::fixed(10));
+        let key = Key::new("k");
+        let (d, receipt) = leased.consume_with_receipt(&key, 1).await.unwrap();
+        assert_eq!(d.source, Source::Lease, "the first request leases a block");
+        assert_eq!(
+            plain.peek(&key).await.unwrap().remaining,
+            90,
+            "a block of 10 taken"
+        );
+        let (d, second) = leased.consume_with_receipt(&key, 1).await.unwrap();
+        assert_eq!(d.source, Source::Lease);
+        leased.refund(second.unwrap()).await.unwrap();
+        leased.refund(receipt.unwrap()).await.unwrap();
+        assert_eq!(
+            plain.peek(&key).await.unwrap().remaining,
+            92,
+            "both refunds reached the store through the block's receipt"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn quiet_keys_and_expired_blocks_give_their_permits_back() {
+        let (leased, plain, clock) = fleet(LeaseConfig::fixed(10));
+        let (busy, quiet) = (Key::new("busy"), Key::new("quiet"));
+        leased.consume(&busy, 1).await.unwrap();
+        leased.consume(&quiet, 1).await.unwrap();
+        assert_eq!(leased.stats().leased_keys, 2);
+        // 80 ms later: busy is used again; both blocks are still valid.
+        clock.advance(Duration::from_millis(80));
+        leased.consume(&busy, 1).await.unwrap();
+        leased.inner.sweep_once(clock.now_us()).await;
+        assert_eq!(leased.stats().leased_keys, 2, "nothing is idle yet");
+        // 120 ms later: quiet has been idle past the default 100 ms.
+        clock.advance(Duration::from_millis(40));
+        leased.inner.sweep_once(clock.now_us()).await;
+        assert_eq!(leased.stats().leased_keys, 1);
+        assert_eq!(plain.peek(&quiet).await.unwrap().remaining, 99);
+        // Busy's block expires (250 ms) while it stays in leased mode: its permits come back.
+        clock.advance(Duration::from_millis(150));
+        // Still in use (as a request would mark it), without spending from the old block.
+        for slot in leased.inner.leases.slots.load().values() {
+            slot.last_used.store(clock.now_us(), Ordering::Relaxed);
+        }
+        leased.inner.sweep_once(clock.now_us()).await;
+        assert_eq!(leased.stats().leased_keys, 1);
+        assert_eq!(plain.peek(&busy).await.unwrap().remaining, 98);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_refill_per_key_in_flight() {
+        let (leased, plain, _) = fleet(LeaseConfig::fixed(12));
+        let key = Key::new("k");
+        let decisions = futures_join((0..12).map(|_| leased.consume(&key, 1))).await;
+        assert!(decisions.iter().all(|d| d.as_ref().unwrap().allowed));
+        assert_eq!(leased.stats().lease_calls, 1, "one block served all twelve");
+        assert_eq!(plain.peek(&key).await.unwrap().remaining, 88);
+    }
+
+    /// Runs futures concurrently on the current task, in order.
+    async fn futures_join<F: std::future::Future>(
+        futures: impl Iterator<Item = F>,
+    ) -> Vec<F::Output> {
+        let handles: Vec<_> = futures.map(Box::pin).collect();
+        let mut out = Vec::new();
+        for h in handles {
+            out.push(h.await);
+        }
+        out
+    }
+
+    #[test]
+    fn block_sizes_follow_the_rate_within_their_bounds() {
+        let q = crate::Quota::per_second(1_000).build().unwrap();
+        let auto = LeaseConfig::auto();
+        assert_eq!(
+            auto.block_size(&q, 400.0, 1),
+            40,
+            "a tenth of a second of traffic"
+        );
+        assert_eq!(
+            auto.block_size(&q, 1e6, 1),
+            125,
+            "at most an eighth of the quota"
+        );
+        assert_eq!(
+            auto.block_size(&q, 1.0, 5),
+            5,
+            "never smaller than the request"
+        );
+        assert_eq!(LeaseConfig::fixed(7).block_size(&q, 1e6, 1), 7);
+        let _ = Op::Peek;
+    }
+}
