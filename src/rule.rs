@@ -44,7 +44,9 @@ fn name_id(name: &str) -> u32 {
 
 impl Rule {
     /// A rule named `name` enforcing `quota`. Names are 1 to 64 visible ASCII characters other
-    /// than `"` and `\` (they appear in response headers).
+    /// than `"` and `\` (they appear in response headers). Each distinct name is numbered once
+    /// and remembered for the life of the process: build rules from configuration, not a name
+    /// per request.
     pub fn new(name: impl Into<String>, quota: Quota) -> Result<Rule, ConfigError> {
         let name: String = name.into();
         let visible = |b: u8| b.is_ascii_graphic() && b != b'"' && b != b'\\';
