@@ -81,8 +81,41 @@ pub struct Decision {
     /// peeks, and admissions that counted nothing (fail open).
     pub(crate) taken: Option<Taken>,
     /// The key's listing (an administrator's allow, deny or block entry) made this decision,
-    /// not its quota: this process remembers it for an outage (see `limiter::listings`).
-    pub(crate) listed: bool,
+    /// not its quota: which one. This process remembers it for an outage (see
+    /// `limiter::listings`).
+    pub(crate) listed: ByListing,
+}
+
+/// Which administrator's entry made a decision, if one did. Four bytes, so that a [`Decision`]
+/// stays as small as it was: a block's time left is kept in whole seconds, rounded up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub(crate) struct ByListing(u32);
+
+impl ByListing {
+    /// Decided by the key's quota.
+    pub(crate) const NONE: ByListing = ByListing(0);
+    /// The allow list admitted it.
+    pub(crate) const ALLOW: ByListing = ByListing(1);
+    /// The deny list refused it.
+    pub(crate) const DENY: ByListing = ByListing(2);
+    const BLOCK: u32 = 3;
+
+    /// A block with `left` to run refused it.
+    pub(crate) fn block(left: Duration) -> ByListing {
+        let secs = left.as_secs() + u64::from(left.subsec_nanos() > 0);
+        ByListing(Self::BLOCK.saturating_add(u32::try_from(secs).unwrap_or(u32::MAX)))
+    }
+
+    /// Whether a listing made the decision.
+    pub(crate) fn is_listed(self) -> bool {
+        self != Self::NONE
+    }
+
+    /// For a block, its time left when the decision was made (rounded up to whole seconds).
+    pub(crate) fn block_left(self) -> Option<Duration> {
+        let secs = self.0.checked_sub(Self::BLOCK)?;
+        Some(Duration::from_secs(u64::from(secs)))
+    }
 }
 
 impl Decision {
@@ -97,7 +130,7 @@ impl Decision {
             source: Source::Store,
             degraded: false,
             taken: None,
-            listed: false,
+            listed: ByListing::NONE,
         }
     }
 
@@ -118,7 +151,7 @@ impl Decision {
             source: Source::Store,
             degraded: false,
             taken: None,
-            listed: false,
+            listed: ByListing::NONE,
         }
     }
 

@@ -556,10 +556,12 @@ async fn listings_the_store_applied_decide_their_keys_through_an_outage() {
                 .connect(&url)
                 .await
                 .unwrap();
-            let quota = |n| Quota::per_minute(n).build().unwrap();
+            let per_hour = Quota::per_hour(1_000).build().unwrap();
+            let per_minute = Quota::per_minute(100).build().unwrap();
             Limiter::builder(store)
-                .rule(Rule::new("per-minute", quota(100)).unwrap())
-                .rule(Rule::new("per-hour", quota(1_000)).unwrap())
+                // The rule spent below is the last: its answer is the last one seen.
+                .rule(Rule::new("per-hour", per_hour).unwrap())
+                .rule(Rule::new("per-minute", per_minute).unwrap())
                 .on_store_error(policy)
                 .deadline(DEADLINE)
                 .clock(clock)
@@ -585,6 +587,16 @@ async fn listings_the_store_applied_decide_their_keys_through_an_outage() {
         .unwrap();
     admin.allow(&allowed).await.unwrap();
     admin.deny(&lifted).await.unwrap();
+    // Spent for the minute, then blocked for less: the store refuses it for the minute, and the
+    // block alone is what applies to every rule.
+    let spent_and_blocked = key("spent-and-blocked");
+    assert!(open.consume(&spent_and_blocked, 100).await.unwrap().allowed);
+    admin
+        .block(&spent_and_blocked, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let d = open.consume(&spent_and_blocked, 1).await.unwrap();
+    assert!(d.retry_after.unwrap() > Duration::from_secs(50), "{d:?}");
     for l in [&open, &closed] {
         for k in [&denied, &blocked, &lifted] {
             let d = l.consume(k, 1).await.unwrap();
@@ -619,6 +631,12 @@ async fn listings_the_store_applied_decide_their_keys_through_an_outage() {
         let d = l.consume(&allowed, 7).await.unwrap();
         assert!(d.allowed && d.degraded, "{name}: allow-listed: {d:?}");
     }
+    let d = open.consume(&spent_and_blocked, 1).await.unwrap();
+    let wait = d.retry_after.unwrap();
+    assert!(
+        !d.allowed && wait <= Duration::from_secs(5),
+        "the block's end, not the minute's: {d:?}"
+    );
     // The rest is the policy's, the lifted listing included.
     for k in [&lifted, &plain] {
         assert!(open.consume(k, 1).await.unwrap().allowed, "{k:?}");
@@ -627,5 +645,6 @@ async fn listings_the_store_applied_decide_their_keys_through_an_outage() {
     // The block ended: the policy decides that key too; the deny list stands.
     clock.advance(Duration::from_secs(30));
     assert!(open.consume(&blocked, 1).await.unwrap().allowed);
+    assert!(open.consume(&spent_and_blocked, 1).await.unwrap().allowed);
     assert!(!open.consume(&denied, 1).await.unwrap().allowed);
 }

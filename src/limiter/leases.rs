@@ -313,7 +313,6 @@ impl Inner {
             self.give_back_later(check, &old);
             let decision = Decision {
                 taken: None,
-                listed: true,
                 ..lease.state
             };
             self.listings.observe(check.key, &decision, started);

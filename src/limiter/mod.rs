@@ -659,9 +659,11 @@ impl Limiter {
         if let Some(denials) = &self.inner.denials {
             denials.forget(key);
         }
-        self.inner
-            .listings
-            .set(key, listing, self.inner.clock.now_us());
+        if self.inner.policy.is_some() {
+            // Only a store that can fail has outages to remember listings for.
+            let now = self.inner.clock.now_us();
+            self.inner.listings.set(key, listing, now);
+        }
         Ok(())
     }
 
@@ -1094,8 +1096,10 @@ impl Inner {
                 if let Some(denials) = &self.denials {
                     denials.forget(key);
                 }
-                self.listings
-                    .set(key, Some(Listing::Block(block)), self.clock.now_us());
+                if self.policy.is_some() {
+                    let now = self.clock.now_us();
+                    self.listings.set(key, Some(Listing::Block(block)), now);
+                }
                 tracing::info!(key = %key, ?block, "fleetlimit: the penalty box blocked a key");
             }
             Err(error) => tracing::warn!(

@@ -23,6 +23,7 @@ use hashbrown::{DefaultHashBuilder, HashTable};
 
 use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
 use crate::algorithm::State;
+use crate::decision::ByListing;
 use crate::error::ConfigError;
 use crate::{Clock, Decision, Key, Quota, Rule, StoreError, SystemClock};
 
@@ -471,20 +472,24 @@ impl Inner {
             .map(|(c, l)| {
                 // As the script does: the state as a request of cost 1 sees it.
                 let peeked = || self.apply_one(Op::Peek, &Check { cost: 1, ..*c }, now);
-                let by_listing = |d: Decision| Decision { listed: true, ..d };
                 match l {
                     None => rest.next().unwrap_or_else(peeked),
-                    Some(Listed::Allow) => by_listing(Decision {
+                    Some(Listed::Allow) => Decision {
                         allowed: true,
+                        listed: ByListing::ALLOW,
                         ..peeked()
-                    }),
-                    Some(Listed::Deny) => {
-                        by_listing(refused(peeked(), crate::store::DENY_RETRY_AFTER))
+                    },
+                    Some(Listed::Deny) => Decision {
+                        listed: ByListing::DENY,
+                        ..refused(peeked(), crate::store::DENY_RETRY_AFTER)
+                    },
+                    Some(Listed::Until(t)) => {
+                        let left = Duration::from_micros(t.saturating_sub(now));
+                        Decision {
+                            listed: ByListing::block(left),
+                            ..refused(peeked(), left)
+                        }
                     }
-                    Some(Listed::Until(t)) => by_listing(refused(
-                        peeked(),
-                        Duration::from_micros(t.saturating_sub(now)),
-                    )),
                 }
             })
             .collect();

@@ -16,7 +16,8 @@
 -- ran) answers what the first answered and gives nothing back twice.
 -- Returns 6 integers per check: allowed (1/0), limit, remaining, reset after (µs), retry after
 -- (µs, -1 when none), and where the permits were taken (the receipt's anchor, -1 when nothing
--- was taken, -2 when the key's listing decided and nothing was taken); for 'lease', then the permits granted, until when they are valid, for how long
+-- was taken; -2 or below when the key's listing decided: see listed_anchor); for 'lease', then
+-- the permits granted, until when they are valid, for how long
 -- from now, the block's anchor, and whether the key is listed (1/0: then nothing is granted
 -- and the decision is the listing's, for each request).
 local ALGORITHMS = { fixed_window, sliding_log, sliding_window, token_bucket, gcra }
@@ -31,8 +32,6 @@ local once = nil
 local with_listings = op ~= 'refund' and #KEYS >= 2 * nchecks
 -- A deny-list entry has no end: its clients are told to come back in a day.
 local DENY_WAIT_US = 86400000000
--- The anchor of a decision made by the key's listing: nothing taken.
-local LISTED = -2
 if op == 'refund' then
   once = KEYS[nchecks + 1]
   local answered = redis.call('GET', once)
@@ -82,6 +81,14 @@ end
 local listing = {}
 for i = 1, nchecks do listing[i] = listed(i) end
 
+-- The anchor of a decision made by listing `l` (nothing taken): -2 the allow list, -3 the deny
+-- list, -(4 + µs left) a block.
+local function listed_anchor(l)
+  if l == 'allow' then return -2 end
+  if l == 'deny' then return -3 end
+  return -(4 + math.max(l - now, 0))
+end
+
 -- Refused for at least `wait` (a rule's own longer wait stands).
 local function refuse(d, wait)
   d[1] = 0
@@ -119,7 +126,7 @@ end
 
 if op == 'lease' and listing[1] ~= nil then
   -- A listed key is decided request by request: no block.
-  emit(decide_listed(checks[1], listing[1]), LISTED)
+  emit(decide_listed(checks[1], listing[1]), listed_anchor(listing[1]))
   out[#out + 1] = 0
   out[#out + 1] = now
   out[#out + 1] = 0
@@ -173,7 +180,7 @@ for i, c in ipairs(checks) do
   local d = decisions[i]
   local taken = -1
   if listing[i] ~= nil then
-    taken = LISTED
+    taken = listed_anchor(listing[i])
     -- Counted nothing; a state read under another quota keeps its conversion.
     if c.st.dirty then c.alg.save(c.st, now, c.q) end
   elseif op == 'consume' and all_allowed then

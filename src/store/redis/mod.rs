@@ -23,6 +23,7 @@ use tokio::sync::OnceCell;
 
 use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
 use crate::algorithm::us;
+use crate::decision::ByListing;
 use crate::error::{ConfigError, Error};
 use crate::{Algorithm, Clock, Decision, Key, Rule, StoreError, Taken};
 
@@ -50,8 +51,18 @@ pub const MIN_REDIS_VERSION: (u32, u32) = (5, 0);
 
 /// Numbers the script answers per check.
 const PER_DECISION: usize = 6;
-/// The anchor the script answers for a decision made by the key's listing (nothing taken).
-const LISTED: i64 = -2;
+/// Which listing made a decision, from the anchor the script answers for it (nothing taken):
+/// -2 the allow list, -3 the deny list, -(4 + µs left) a block; a real anchor is never negative.
+fn by_listing(anchor: i64) -> ByListing {
+    match anchor {
+        -2 => ByListing::ALLOW,
+        -3 => ByListing::DENY,
+        block if block <= -4 => ByListing::block(Duration::from_micros(
+            block.saturating_add(4).unsigned_abs(),
+        )),
+        _ => ByListing::NONE,
+    }
+}
 
 /// Reads and sets a key's listing (`listing.lua`); admin calls are rare, so it is sent whole.
 const LISTING_SCRIPT: &str = include_str!("listing.lua");
@@ -1125,7 +1136,7 @@ fn parse_decisions(values: &[i64], checks: &[Check<'_>]) -> Result<Vec<Decision>
             } else {
                 Decision::deny(limit, remaining, us(reset), retry)
             };
-            d.listed = v[5] == LISTED;
+            d.listed = by_listing(v[5]);
             d.taken = u64::try_from(v[5]).ok().map(|at| Taken {
                 at,
                 cost: check.cost,
