@@ -29,17 +29,21 @@ pub struct Rule {
 }
 
 /// The number of a rule name in this process: the same for every rule of that name, another for
-/// every other name. Rule names come from configuration, so the table stays small (a name is
-/// at most 64 bytes; four billion names would be 100 GB of names before the numbers ran out).
-fn name_id(name: &str) -> u32 {
+/// every other name; `None` once four billion names are numbered (never, for names that come
+/// from configuration: that is 100 GB of names).
+fn name_id(name: &str) -> Option<u32> {
     static NAMES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<Box<str>, u32>>> =
         std::sync::OnceLock::new();
     let mut names = NAMES
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let next = u32::try_from(names.len()).unwrap_or(u32::MAX);
-    *names.entry(name.into()).or_insert(next)
+    if let Some(&id) = names.get(name) {
+        return Some(id);
+    }
+    let id = u32::try_from(names.len()).ok()?;
+    names.insert(name.into(), id);
+    Some(id)
 }
 
 impl Rule {
@@ -53,8 +57,15 @@ impl Rule {
         if name.is_empty() || name.len() > MAX_RULE_NAME_LEN || !name.bytes().all(visible) {
             return Err(ConfigError::InvalidRuleName(name));
         }
+        let Some(id) = name_id(&name) else {
+            return Err(ConfigError::Invalid {
+                setting: "rule name",
+                reason: "four billion distinct rule names are numbered in this process already"
+                    .into(),
+            });
+        };
         Ok(Rule {
-            id: name_id(&name),
+            id,
             name: name.into(),
             quota,
         })
