@@ -88,8 +88,19 @@ pub struct Decision {
 
 /// Which administrator's entry made a decision, if one did. Four bytes, so that a [`Decision`]
 /// stays as small as it was: a block's time left is kept in whole seconds, rounded up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub(crate) struct ByListing(u32);
+
+impl std::fmt::Debug for ByListing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (*self, self.block_left()) {
+            (_, Some(left)) => write!(f, "Block({left:?})"),
+            (ByListing::ALLOW, _) => f.write_str("Allow"),
+            (ByListing::DENY, _) => f.write_str("Deny"),
+            _ => f.write_str("None"),
+        }
+    }
+}
 
 impl ByListing {
     /// Decided by the key's quota.
@@ -102,7 +113,9 @@ impl ByListing {
 
     /// A block with `left` to run refused it.
     pub(crate) fn block(left: Duration) -> ByListing {
-        let secs = left.as_secs() + u64::from(left.subsec_nanos() > 0);
+        let secs = left
+            .as_secs()
+            .saturating_add(u64::from(left.subsec_nanos() > 0));
         ByListing(Self::BLOCK.saturating_add(u32::try_from(secs).unwrap_or(u32::MAX)))
     }
 
@@ -185,5 +198,34 @@ impl Decision {
         } else {
             self
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listing_reads_as_which_one_decided() {
+        let block = ByListing::block(Duration::from_millis(1_500));
+        assert_eq!(
+            block.block_left(),
+            Some(Duration::from_secs(2)),
+            "rounded up"
+        );
+        assert!(block.is_listed() && ByListing::DENY.is_listed());
+        assert!(!ByListing::NONE.is_listed());
+        assert_eq!(ByListing::ALLOW.block_left(), None);
+        assert_eq!(
+            ByListing::block(Duration::MAX)
+                .block_left()
+                .map(|d| d.as_secs()),
+            Some(u64::from(u32::MAX - 3))
+        );
+        let shown: Vec<String> = [ByListing::NONE, ByListing::ALLOW, ByListing::DENY, block]
+            .iter()
+            .map(|l| format!("{l:?}"))
+            .collect();
+        assert_eq!(shown, ["None", "Allow", "Deny", "Block(2s)"]);
     }
 }

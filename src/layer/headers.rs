@@ -167,7 +167,7 @@ pub(crate) fn repeated_number(n: u64) -> HeaderValue {
 
 /// Whole seconds, rounded up: a client that waits this long is never early.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }
 
 /// Whole milliseconds, rounded up.
@@ -320,6 +320,11 @@ mod tests {
         assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
         assert_eq!(ceil_secs(Duration::from_millis(1000)), 1);
         assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(
+            ceil_secs(Duration::MAX),
+            u64::MAX,
+            "saturates, never wraps to 0"
+        );
         assert_eq!(ceil_millis(Duration::from_micros(1)), 1);
         assert_eq!(ceil_millis(Duration::from_micros(2000)), 2);
     }
