@@ -648,3 +648,52 @@ async fn listings_the_store_applied_decide_their_keys_through_an_outage() {
     assert!(open.consume(&spent_and_blocked, 1).await.unwrap().allowed);
     assert!(!open.consume(&denied, 1).await.unwrap().allowed);
 }
+
+/// Durations as long as a `Duration` goes (a deadline, a breaker's cool-down, a lease's idle
+/// time) are taken as "very long", never an overflow: no decision panics, before or after the
+/// store dies.
+#[tokio::test]
+async fn the_longest_durations_never_overflow() {
+    let mut server = RedisServer::start();
+    let store = RedisStore::builder()
+        .connect_timeout(Duration::from_secs(1))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(1_000_000))
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(Duration::MAX)
+        .breaker(BreakerConfig {
+            failures: 1,
+            cool_down: Duration::MAX,
+        })
+        .lease(
+            "outage",
+            fleetlimit::LeaseConfig::auto().idle(Duration::MAX),
+        )
+        .build()
+        .unwrap();
+    let (key, other) = (Key::new("k"), Key::new("other"));
+    let bound = Duration::from_secs(20);
+    for _ in 0..500 {
+        let d = tokio::time::timeout(bound, limiter.consume(&key, 1))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(d.allowed && !d.degraded, "{d:?}");
+    }
+    server.kill();
+    for _ in 0..3 {
+        let d = tokio::time::timeout(bound, limiter.consume(&other, 1))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(d.allowed && d.degraded, "{d:?}");
+    }
+    assert_eq!(
+        limiter.stats().open_breakers,
+        1,
+        "open, for as long as it can be"
+    );
+}

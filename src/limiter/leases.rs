@@ -457,7 +457,8 @@ impl Inner {
                 .leases
                 .config(*index)
                 .map_or(Duration::ZERO, |c| c.idle);
-            if slot.last_used.load(Ordering::Relaxed) + idle.as_micros() as u64 <= now {
+            let idle = u64::try_from(idle.as_micros()).unwrap_or(u64::MAX);
+            if slot.last_used.load(Ordering::Relaxed).saturating_add(idle) <= now {
                 quiet.push(((*index, key.clone()), slot.clone()));
             } else if now >= slot.block.load().deadline {
                 // Unless a refill is replacing the block right now (it gives the old one back).

@@ -257,7 +257,8 @@ impl Deadline {
     /// A deadline `budget` from now.
     pub(crate) fn after(budget: Duration) -> Deadline {
         Deadline {
-            at: tokio::time::Instant::now() + budget,
+            // A century at most: a caller's `Duration::MAX` must not overflow the clock.
+            at: super::waiting::after(budget),
             budget,
         }
     }
