@@ -113,9 +113,7 @@ impl ByListing {
 
     /// A block with `left` to run refused it.
     pub(crate) fn block(left: Duration) -> ByListing {
-        let secs = left
-            .as_secs()
-            .saturating_add(u64::from(left.subsec_nanos() > 0));
+        let secs = crate::algorithm::ceil_secs(left);
         ByListing(Self::BLOCK.saturating_add(u32::try_from(secs).unwrap_or(u32::MAX)))
     }
 

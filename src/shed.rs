@@ -141,7 +141,7 @@ impl WorkerUtilisation {
     /// Adjust the level to the load, one step at a time, and say whether `priority` goes on.
     fn admit(&self, priority: Priority) -> bool {
         let s = &self.state;
-        let now = u64::try_from(s.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let now = crate::algorithm::micros(s.epoch.elapsed());
         let since = Duration::from_micros(now.saturating_sub(s.changed_at.load(Ordering::Relaxed)));
         let level = s.level.load(Ordering::Relaxed);
         let in_flight = s.in_flight.load(Ordering::Relaxed);

@@ -167,6 +167,17 @@ pub(crate) fn us(micros: u64) -> Duration {
     Duration::from_micros(micros)
 }
 
+/// A `Duration` in microseconds, saturating: a caller's `Duration::MAX` means "forever" and
+/// never wraps to a short time.
+pub(crate) fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Whole seconds, rounded up (saturating): a client that waits this long is never early.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
+}
+
 /// `ceil(a / b)` for `b > 0`.
 pub(crate) fn div_ceil(a: u64, b: u64) -> u64 {
     a.div_ceil(b)

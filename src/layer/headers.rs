@@ -165,10 +165,7 @@ pub(crate) fn repeated_number(n: u64) -> HeaderValue {
     value
 }
 
-/// Whole seconds, rounded up: a client that waits this long is never early.
-pub(crate) fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
-}
+pub(crate) use crate::algorithm::ceil_secs;
 
 /// Whole milliseconds, rounded up.
 pub(crate) fn ceil_millis(d: Duration) -> u64 {

@@ -110,8 +110,7 @@ impl Breaker {
 
     pub(crate) fn failure(&self, now: u64, probe: bool, config: &BreakerConfig) -> Transition {
         let failures = self.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
-        let cool_down = u64::try_from(config.cool_down.as_micros()).unwrap_or(u64::MAX);
-        let reopen = now.saturating_add(cool_down);
+        let reopen = now.saturating_add(crate::algorithm::micros(config.cool_down));
         if probe {
             // Still down: wait another cool-down before the next probe (unless a call that
             // overlapped the probe succeeded and closed the breaker meanwhile).

@@ -15,6 +15,7 @@ use std::hash::BuildHasher;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::algorithm::micros;
 use crate::{Decision, Key, Source};
 
 /// A rule (by index) and a key.
@@ -53,7 +54,7 @@ impl DenialCache {
         DenialCache {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_shard: capacity.div_ceil(SHARDS).max(1),
-            max_age: u64::try_from(max_age.as_micros()).unwrap_or(u64::MAX),
+            max_age: micros(max_age),
             hasher: hashbrown::DefaultHashBuilder::default(),
         }
     }
@@ -103,7 +104,6 @@ impl DenialCache {
         let (false, Some(retry)) = (d.allowed, d.retry_after) else {
             return;
         };
-        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         let retry_at = asked_at.saturating_add(micros(retry));
         let until = retry_at.min(asked_at.saturating_add(self.max_age));
         let reset_at = asked_at.saturating_add(micros(d.reset_after));

@@ -87,7 +87,7 @@ impl HeavyHitters {
     pub(crate) fn new(capacity: usize, period: Duration, raw: bool) -> HeavyHitters {
         HeavyHitters {
             capacity: capacity.max(1),
-            period_us: u64::try_from(period.as_micros()).unwrap_or(u64::MAX).max(1),
+            period_us: crate::algorithm::micros(period).max(1),
             raw,
             state: Mutex::new(State {
                 current: Summary::default(),

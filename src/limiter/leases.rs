@@ -457,7 +457,7 @@ impl Inner {
                 .leases
                 .config(*index)
                 .map_or(Duration::ZERO, |c| c.idle);
-            let idle = u64::try_from(idle.as_micros()).unwrap_or(u64::MAX);
+            let idle = crate::algorithm::micros(idle);
             if slot.last_used.load(Ordering::Relaxed).saturating_add(idle) <= now {
                 quiet.push(((*index, key.clone()), slot.clone()));
             } else if now >= slot.block.load().deadline {

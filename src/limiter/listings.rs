@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::algorithm::micros;
 use crate::store::Listing;
 use crate::{Decision, Key, Source};
 
@@ -213,10 +214,6 @@ fn make_room(keys: &mut HashMap<Key, Remembered>, now: u64) {
             true
         }
     });
-}
-
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

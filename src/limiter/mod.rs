@@ -4,7 +4,8 @@
 //! Its parts, each with its promise and tests beside it: [`policy`] (the outage policy and the
 //! one deadline of a decision), [`breaker`] (a circuit breaker per failure domain), [`leases`]
 //! (hot keys spent from leased blocks), [`denials`] (remembered store denials), [`listings`]
-//! (remembered allow, deny and block entries) and [`rate`] (how often a key is seen). This file is the public API and the order in which they are asked.
+//! (remembered allow, deny and block entries) and [`rate`] (how often a key is seen). This file
+//! is the public API and the order in which they are asked.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1010,31 +1011,16 @@ impl Inner {
         if known.iter().all(Option::is_none) {
             return policy.decide(op, checks);
         }
-        if known.iter().flatten().any(|d| !d.allowed) {
-            return policy
-                .decide(Op::Peek, checks)
-                .into_iter()
-                .zip(known)
-                .map(|(peeked, known)| known.unwrap_or(peeked))
-                .collect();
-        }
-        let unknown: Vec<Check<'_>> = checks
-            .iter()
-            .zip(&known)
-            .filter(|(_, known)| known.is_none())
-            .map(|(c, _)| *c)
-            .collect();
-        let mut decided = policy.decide(op, &unknown).into_iter();
-        checks
-            .iter()
-            .zip(known)
-            .map(|(c, known)| {
-                known.or_else(|| decided.next()).unwrap_or_else(|| {
-                    // Unreachable: the policy answers one decision per check it is given.
-                    Decision::deny(c.rule.quota().capacity(), 0, Duration::ZERO, None)
-                })
-            })
-            .collect()
+        // The policy answers one decision per check; a refusal stands in for a missing one.
+        let missing =
+            |c: &Check<'_>| Decision::deny(c.rule.quota().capacity(), 0, Duration::ZERO, None);
+        crate::store::around_known(
+            op,
+            checks,
+            known,
+            |op, rest| policy.decide(op, rest),
+            missing,
+        )
     }
 
     /// Report a consume's decisions through the metrics facade, and count its refusals among

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use crate::algorithm::micros;
 use crate::error::ConfigError;
 use crate::Key;
 
@@ -94,10 +95,6 @@ pub(crate) struct Penalties {
     capacity: usize,
 }
 
-fn us(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
 impl Penalties {
     pub(crate) fn new(config: Penalty, capacity: usize) -> Penalties {
         Penalties {
@@ -113,7 +110,7 @@ impl Penalties {
         let mut records = self.records.lock();
         if !records.contains_key(key) && records.len() >= self.capacity {
             // Forget the records that can no longer lead to a block or a longer one.
-            let forgotten = us(c.within).max(us(c.forgive_after));
+            let forgotten = micros(c.within).max(micros(c.forgive_after));
             records.retain(|_, r| {
                 now.saturating_sub(r.window_start) < forgotten || r.blocked_until > now
             });
@@ -130,7 +127,7 @@ impl Penalties {
         if now < r.blocked_until {
             return None; // refused by its block: that is the penalty already
         }
-        if now.saturating_sub(r.window_start) >= us(c.within) {
+        if now.saturating_sub(r.window_start) >= micros(c.within) {
             r.window_start = now;
             r.denials = 0;
         }
@@ -138,13 +135,13 @@ impl Penalties {
         if r.denials < c.denials {
             return None;
         }
-        if r.blocks > 0 && now.saturating_sub(r.blocked_until) >= us(c.forgive_after) {
+        if r.blocks > 0 && now.saturating_sub(r.blocked_until) >= micros(c.forgive_after) {
             r.blocks = 0;
         }
         let factor = 1u32.checked_shl(r.blocks.min(31)).unwrap_or(u32::MAX);
         let block = c.block.saturating_mul(factor).min(c.max_block);
         r.blocks = r.blocks.saturating_add(1);
-        r.blocked_until = now.saturating_add(us(block));
+        r.blocked_until = now.saturating_add(micros(block));
         r.denials = 0;
         r.window_start = r.blocked_until;
         Some(block)

@@ -19,8 +19,9 @@
 //! (spent from a leased block), `cache_denied` (a remembered denial), `fallback_allowed` and
 //! `fallback_denied` (the local fallback during an outage), `outage_allowed` and
 //! `outage_denied` (fail open, fail closed; an allow-listed key admitted during an outage is
-//! `outage_allowed`, a listed key refused then is `cache_denied`); the layer adds `shadow_denied` (shadow mode let
-//! through a request the limiter denied, which also counts as `denied`).
+//! `outage_allowed`, a listed key refused then is `cache_denied`); the layer adds
+//! `shadow_denied` (shadow mode let through a request the limiter denied, which also counts as
+//! `denied`).
 
 use std::time::Duration;
 

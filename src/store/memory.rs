@@ -455,44 +455,34 @@ impl Inner {
         if listed.iter().all(Option::is_none) {
             return None;
         }
-        let refusing = listed
-            .iter()
-            .any(|l| matches!(l, Some(Listed::Deny | Listed::Until(_))));
-        let unlisted: Vec<Check<'_>> = checks
-            .iter()
-            .zip(&listed)
-            .filter(|(_, l)| l.is_none())
-            .map(|(c, _)| *c)
-            .collect();
-        let op_unlisted = if refusing { Op::Peek } else { op };
-        let mut rest = self.apply_unlisted(op_unlisted, &unlisted, now).into_iter();
-        let decisions = checks
+        // As the script does: the state as a request of cost 1 sees it.
+        let peeked = |c: &Check<'_>| self.apply_one(Op::Peek, &Check { cost: 1, ..*c }, now);
+        let known = checks
             .iter()
             .zip(listed)
             .map(|(c, l)| {
-                // As the script does: the state as a request of cost 1 sees it.
-                let peeked = || self.apply_one(Op::Peek, &Check { cost: 1, ..*c }, now);
-                match l {
-                    None => rest.next().unwrap_or_else(peeked),
-                    Some(Listed::Allow) => Decision {
+                Some(match l? {
+                    Listed::Allow => Decision {
                         allowed: true,
                         listed: ByListing::ALLOW,
-                        ..peeked()
+                        ..peeked(c)
                     },
-                    Some(Listed::Deny) => Decision {
+                    Listed::Deny => Decision {
                         listed: ByListing::DENY,
-                        ..refused(peeked(), crate::store::DENY_RETRY_AFTER)
+                        ..refused(peeked(c), crate::store::DENY_RETRY_AFTER)
                     },
-                    Some(Listed::Until(t)) => {
+                    Listed::Until(t) => {
                         let left = Duration::from_micros(t.saturating_sub(now));
                         Decision {
                             listed: ByListing::block(left),
-                            ..refused(peeked(), left)
+                            ..refused(peeked(c), left)
                         }
                     }
-                }
+                })
             })
             .collect();
+        let decide = |op, unlisted: &[Check<'_>]| self.apply_unlisted(op, unlisted, now);
+        let decisions = crate::store::around_known(op, checks, known, decide, peeked);
         Some(decisions)
     }
 
@@ -964,7 +954,7 @@ impl MemoryStore {
         ttl: Duration,
     ) -> (bool, u64) {
         let now = self.inner.clock.now_us();
-        let expiry = now.saturating_add(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+        let expiry = now.saturating_add(crate::algorithm::micros(ttl));
         let mut all = self.inner.slots.lock();
         let id = (Arc::<str>::from(name), key.clone());
         let held = all.entry(id.clone()).or_default();

@@ -92,6 +92,36 @@ pub enum Listing {
 /// back soon.
 pub const DENY_RETRY_AFTER: Duration = Duration::from_secs(86_400);
 
+/// The decisions for `checks` when some are already `known` (decided by a listing, or by a
+/// remembered refusal): the others are decided together by `decide`, and only peeked when a
+/// known one refuses, so a refused request takes nothing; each known decision keeps its place.
+/// `missing` fills a place `decide` left without a decision (it answers one per check).
+pub(crate) fn around_known(
+    op: Op,
+    checks: &[Check<'_>],
+    known: Vec<Option<Decision>>,
+    decide: impl FnOnce(Op, &[Check<'_>]) -> Vec<Decision>,
+    missing: impl Fn(&Check<'_>) -> Decision,
+) -> Vec<Decision> {
+    let refusing = known.iter().flatten().any(|d| !d.allowed);
+    let unknown: Vec<Check<'_>> = checks
+        .iter()
+        .zip(&known)
+        .filter(|(_, known)| known.is_none())
+        .map(|(c, _)| *c)
+        .collect();
+    let mut decided = decide(if refusing { Op::Peek } else { op }, &unknown).into_iter();
+    checks
+        .iter()
+        .zip(known)
+        .map(|(c, known)| {
+            known
+                .or_else(|| decided.next())
+                .unwrap_or_else(|| missing(c))
+        })
+        .collect()
+}
+
 /// What to do with a concurrency slot.
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,5 +244,55 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
     /// these checks depends on.
     fn failure_domain(&self, _checks: &[Check<'_>]) -> usize {
         0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Quota, Rule};
+
+    #[test]
+    fn around_known_decides_the_rest_together_and_only_peeks_it_after_a_refusal() {
+        let rule = Rule::new("r", Quota::per_second(5).build().unwrap()).unwrap();
+        let keys = [Key::new("a"), Key::new("b"), Key::new("c")];
+        let checks: Vec<Check<'_>> = keys
+            .iter()
+            .map(|key| Check {
+                rule: &rule,
+                key,
+                cost: 1,
+            })
+            .collect();
+        let allowed = Decision::admit(9, 9, Duration::ZERO);
+        let refused = Decision::deny(9, 0, Duration::ZERO, Some(Duration::from_secs(1)));
+        let run = |known: Vec<Option<Decision>>| {
+            let mut asked = None;
+            let decisions = around_known(
+                Op::Consume,
+                &checks,
+                known,
+                |op, rest| {
+                    asked = Some((op, rest.iter().map(|c| c.key.clone()).collect::<Vec<_>>()));
+                    rest.iter()
+                        .map(|_| Decision::admit(5, 4, Duration::ZERO))
+                        .collect()
+                },
+                |_| unreachable!("one decision per check"),
+            );
+            (decisions, asked)
+        };
+        let (d, asked) = run(vec![None, Some(allowed), None]);
+        assert_eq!(
+            asked,
+            Some((Op::Consume, vec![keys[0].clone(), keys[2].clone()]))
+        );
+        assert_eq!(d.iter().map(|d| d.limit).collect::<Vec<_>>(), [5, 9, 5]);
+        let (d, asked) = run(vec![None, None, Some(refused)]);
+        assert_eq!(
+            asked,
+            Some((Op::Peek, vec![keys[0].clone(), keys[1].clone()]))
+        );
+        assert!(!d[2].allowed && d[0].allowed);
     }
 }
