@@ -255,3 +255,174 @@ async fn a_slow_failing_handler_across_a_boundary_creates_no_permit() {
     })
     .await;
 }
+
+/// A key with its own quota (an override, per hour) spends it; a receipt refunded later must be
+/// given back under that quota, not the rule's own (per minute): read under the rule's quota, the
+/// hour's permits would move into a minute that ends, and the key would get its hour again.
+#[tokio::test]
+async fn a_refund_for_a_key_with_its_own_quota_keeps_its_quota() {
+    each_backend(async |backend, clock, name| {
+        let base = Rule::new("api", Quota::per_minute(100).build().unwrap()).unwrap();
+        let limiter = backend.limiter(base, &clock).await;
+        let tenant = Key::new("tenant-42");
+        let hour = Quota::per_hour(50).build().unwrap();
+        limiter.set_override("api", &tenant, Some(hour)).unwrap();
+        let (d, first) = limiter.consume_with_receipt(&tenant, 1).await.unwrap();
+        assert!(d.allowed);
+        assert!(limiter.consume(&tenant, 49).await.unwrap().allowed);
+        clock.set(T0 + 10 * 60_000_000);
+        limiter.refund(first.unwrap()).await.unwrap();
+        clock.set(T0 + 10 * 60_000_000 + 64_000_000);
+        let mut admitted = 0;
+        for _ in 0..20 {
+            admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
+        }
+        assert_eq!(
+            admitted, 1,
+            "{name}: only the refunded permit is there again"
+        );
+    })
+    .await;
+}
+
+/// The same through the layer: a tenant's plan (a quota resolved per request) with failures
+/// refunded. The refund keeps the plan's quota.
+#[tokio::test]
+async fn a_refund_through_the_layer_keeps_the_plan_that_decided() {
+    each_backend(async |backend, clock, name| {
+        let base = Rule::new("api", Quota::per_minute(100).build().unwrap()).unwrap();
+        let limiter = backend.limiter(base, &clock).await;
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .route(
+                "/fail",
+                get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "boom") }),
+            )
+            .layer(
+                RateLimitLayer::builder(limiter)
+                    .scope(
+                        "api",
+                        Scope::new()
+                            .quota(|_| Quota::per_hour(5).build().ok())
+                            .refund_if(|s| s.is_server_error()),
+                    )
+                    .build()
+                    .unwrap(),
+            );
+        let send = |path: &'static str| {
+            let app = app.clone();
+            async move {
+                let mut req = Request::get(path).body(Body::empty()).unwrap();
+                req.extensions_mut()
+                    .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+                app.oneshot(req).await.unwrap().status()
+            }
+        };
+        for _ in 0..4 {
+            assert_eq!(send("/").await, StatusCode::OK, "{name}");
+        }
+        assert_eq!(send("/fail").await, StatusCode::INTERNAL_SERVER_ERROR);
+        clock.set(T0 + 64_000_000);
+        let mut admitted = 0;
+        for _ in 0..5 {
+            admitted += u64::from(send("/").await == StatusCode::OK);
+        }
+        assert_eq!(
+            admitted, 1,
+            "{name}: four of the hour's five are still spent"
+        );
+    })
+    .await;
+}
+
+/// GCRA at 1000/s, then 1 per hour: a receipt from before the change must not give back an
+/// hour's worth of permits, even when the key was idle at the change (its state then reads as
+/// fresh).
+#[tokio::test]
+async fn a_gcra_receipt_from_before_a_quota_change_refunds_nothing() {
+    each_backend(async |backend, clock, name| {
+        let limiter = backend
+            .limiter(rule(Algorithm::Gcra, 1000, Some(1)), &clock)
+            .await;
+        let k = Key::new("gcra");
+        let (d, x) = limiter.consume_with_receipt(&k, 1).await.unwrap();
+        assert!(d.allowed);
+        clock.set(T0 + 2_000);
+        let hourly = Quota::per_hour(1)
+            .algorithm(Algorithm::Gcra)
+            .burst(1)
+            .build()
+            .unwrap();
+        limiter.set_quota("r", hourly).unwrap();
+        assert!(limiter.consume(&k, 1).await.unwrap().allowed, "{name}: Y");
+        clock.set(T0 + 1_800_000_000);
+        limiter.refund(x.unwrap()).await.unwrap();
+        let z = limiter.consume(&k, 1).await.unwrap();
+        assert!(!z.allowed, "{name}: Z is a second permit in the hour");
+        assert!(
+            z.retry_after.unwrap() >= Duration::from_secs(1799),
+            "{name}: {z:?}"
+        );
+    })
+    .await;
+}
+
+/// A sliding window key that spent a large budget, read under a quota whose window is a year
+/// long: the estimate multiplies counts by the sub-window's width, and must refuse, not wrap.
+#[tokio::test]
+async fn a_huge_count_read_under_a_year_long_window_refuses() {
+    each_backend(async |backend, clock, name| {
+        let big = Rule::new(
+            "r",
+            Quota::per_second(1_000_000_000)
+                .algorithm(Algorithm::SlidingWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let limiter = backend.limiter(big, &clock).await;
+        let k = Key::new("sw");
+        assert!(limiter.consume(&k, 583_344_215).await.unwrap().allowed);
+        let yearly = Quota::new(1000, Duration::from_secs(366 * 86_400))
+            .algorithm(Algorithm::SlidingWindow)
+            .sub_windows(1)
+            .build()
+            .unwrap();
+        limiter.set_quota("r", yearly).unwrap();
+        assert!(
+            !limiter.consume(&k, 1).await.unwrap().allowed,
+            "{name}: 583,344,215 counted is past a limit of 1000"
+        );
+    })
+    .await;
+}
+
+/// A key's quota changed and changed back between a decision and its refund (a rolling
+/// configuration change): the refund, counted under the quota in force when it runs, must not
+/// convert the key's state to it. Converted, the hour's permits would move into a minute that
+/// ends, and the key would get its hour again once the hour quota is back.
+#[tokio::test]
+async fn a_refund_under_a_passing_quota_converts_nothing() {
+    each_backend(async |backend, clock, name| {
+        let base = Rule::new("api", Quota::per_minute(100).build().unwrap()).unwrap();
+        let limiter = backend.limiter(base, &clock).await;
+        let tenant = Key::new("tenant-7");
+        let hour = Quota::per_hour(50).build().unwrap();
+        limiter
+            .set_override("api", &tenant, Some(hour.clone()))
+            .unwrap();
+        let (_, x) = limiter.consume_with_receipt(&tenant, 1).await.unwrap();
+        assert!(limiter.consume(&tenant, 49).await.unwrap().allowed);
+        clock.set(T0 + 60_000_000);
+        limiter.set_override("api", &tenant, None).unwrap();
+        limiter.refund(x.unwrap()).await.unwrap();
+        limiter.set_override("api", &tenant, Some(hour)).unwrap();
+        clock.set(T0 + 130_000_000);
+        let mut admitted = 0;
+        for _ in 0..20 {
+            admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
+        }
+        assert_eq!(admitted, 0, "{name}: the hour's 50 are spent");
+    })
+    .await;
+}

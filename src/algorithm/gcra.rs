@@ -14,7 +14,9 @@
 //! Quota changes: the state records its emission interval. A TAT written under another interval
 //! is converted to the same number of permits used (`ahead × T_new / T_old`, rounded up; kept
 //! even past the new burst, so the other quota reading it back sees the same debt), so two
-//! quotas writing one key never admit more than the larger burst.
+//! quotas writing one key never admit more than the larger burst. Receipts from before a change
+//! of interval refund nothing, even when the key was idle at the change: their debt would be
+//! sized by the new interval.
 
 use super::{never, receipt, rescale_ceil, us};
 use crate::{Algorithm, Decision, Quota, Taken};
@@ -37,8 +39,12 @@ impl Gcra {
         let burst = quota.burst();
         let horizon = burst * t;
         if self.emission != t {
-            if self.tat > now && self.emission != 0 {
-                self.tat = now + rescale_ceil(self.tat - now, self.emission, t);
+            if self.emission != 0 {
+                if self.tat > now {
+                    self.tat = now + rescale_ceil(self.tat - now, self.emission, t);
+                }
+                // Even an idle state: a receipt's debt is sized by the interval in force, and
+                // one from before the change would be sized by the new one.
                 self.valid_from = now;
             }
             self.emission = t;

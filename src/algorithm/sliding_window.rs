@@ -128,8 +128,11 @@ impl SlidingWindow {
             _ => (now.saturating_sub(self.start) / 1000).min(w_ms),
         };
         debug_assert_eq!(self.newer, self.counts.iter().skip(1).sum::<u64>());
-        // Every term is at most limit × B, which the quota keeps exact.
-        self.counts[0] * (w_ms - elapsed_ms) + self.newer * w_ms
+        // Exact while the counts are within the limit (the quota keeps limit × B below 2^50);
+        // counts converted from a much larger quota can pass it, and then saturate: refused.
+        self.counts[0]
+            .saturating_mul(w_ms - elapsed_ms)
+            .saturating_add(self.newer.saturating_mul(w_ms))
     }
 
     #[inline(always)]
@@ -162,7 +165,7 @@ impl SlidingWindow {
         if cost > limit {
             return never(limit, remaining, reset_after());
         }
-        if weighted + cost * w_ms <= capacity {
+        if weighted.saturating_add(cost * w_ms) <= capacity {
             // Taking the permits makes the current sub-window non-empty: full again once it has
             // slid out, a period and a width from its start.
             let reset = (self.start + period + width).saturating_sub(now);
@@ -190,7 +193,7 @@ impl SlidingWindow {
             let e = match (room.checked_div(oldest), quota.estimate()) {
                 (None, _) => 0,
                 // Whole until it has slid out: it fits from the start of this position or not.
-                (Some(_), WindowEstimate::Bounded) if oldest * w_ms <= room => 0,
+                (Some(_), WindowEstimate::Bounded) if oldest.saturating_mul(w_ms) <= room => 0,
                 (Some(_), WindowEstimate::Bounded) => w_ms,
                 (Some(fits), _) => w_ms - fits.min(w_ms),
             };

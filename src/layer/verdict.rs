@@ -11,7 +11,7 @@ use super::layer::{Config, Targets};
 use super::meter::{BodyMeter, Meter, Stopped};
 use super::{response, RateLimitInfo};
 use crate::store::BoxFuture;
-use crate::{Decision, Error, Key, Source};
+use crate::{Decision, Error, Source};
 
 pub(crate) type Decisions = smallvec::SmallVec<[Decision; 2]>;
 
@@ -256,7 +256,7 @@ impl Verdict {
         if !self.governing.allowed || self.would_deny || !counted {
             return None; // nothing was taken from the shared budget
         }
-        let mut refunds: Vec<(usize, Key, crate::Taken)> = Vec::new();
+        let mut refunds: Vec<crate::limiter::RefundPart> = Vec::new();
         // Costs found above their reservation: charged after the response.
         let mut extra: Vec<crate::Target> = Vec::new();
         let scopes = &self.config.scopes;
@@ -283,7 +283,7 @@ impl Verdict {
                     .remaining
                     .saturating_add(taken.cost())
                     .min(decision.limit);
-                refunds.push((target.rule, target.key.clone(), taken));
+                refunds.push((target.clone(), taken));
             }
             if let Some(meter) = &self.meter {
                 for taken in meter.receipts(index) {
@@ -291,7 +291,7 @@ impl Verdict {
                         .remaining
                         .saturating_add(taken.cost())
                         .min(decision.limit);
-                    refunds.push((target.rule, target.key.clone(), taken));
+                    refunds.push((target.clone(), taken));
                 }
             }
         }
@@ -319,14 +319,14 @@ fn settle_one(
     target: &crate::Target,
     decision: &mut Decision,
     actual: u64,
-    refunds: &mut Vec<(usize, Key, crate::Taken)>,
+    refunds: &mut Vec<crate::limiter::RefundPart>,
     extra: &mut Vec<crate::Target>,
 ) {
     let (back, more) = settlement(target, decision.taken, actual);
     if let Some(back) = back {
         decision.remaining = decision
             .remaining
-            .saturating_add(back.2.cost())
+            .saturating_add(back.1.cost())
             .min(decision.limit);
         refunds.push(back);
     }
@@ -342,10 +342,10 @@ fn settlement(
     target: &crate::Target,
     taken: Option<crate::Taken>,
     actual: u64,
-) -> (Option<(usize, Key, crate::Taken)>, Option<crate::Target>) {
+) -> (Option<crate::limiter::RefundPart>, Option<crate::Target>) {
     let reserved = target.cost;
     if actual < reserved {
-        let back = taken.map(|t| (target.rule, target.key.clone(), t.part(reserved - actual)));
+        let back = taken.map(|t| (target.clone(), t.part(reserved - actual)));
         (back, None)
     } else if actual > reserved {
         let more = crate::Target {

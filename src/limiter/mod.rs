@@ -56,13 +56,18 @@ use policy::{Deadline, Policy};
 pub struct Receipt {
     /// The limiter that issued it (rule indexes are its own).
     issuer: u64,
-    parts: smallvec::SmallVec<[(usize, Key, Taken); 2]>,
+    parts: smallvec::SmallVec<[RefundPart; 2]>,
 }
+
+/// Permits to give back: the target they were taken for (its rule and key, and the quota
+/// resolved for its request, which a refund must count under as the decision did) and where
+/// they were taken (with their cost).
+pub(crate) type RefundPart = (Target, Taken);
 
 impl Receipt {
     /// How many permits it would give back at most (summed over its rules).
     pub fn cost(&self) -> u64 {
-        self.parts.iter().map(|(_, _, t)| t.cost()).sum()
+        self.parts.iter().map(|(_, t)| t.cost()).sum()
     }
 }
 
@@ -833,11 +838,11 @@ impl Limiter {
 
     /// A receipt for the admitted, counted decisions of `targets`.
     pub(crate) fn receipt(&self, targets: &Targets, decisions: &[Decision]) -> Option<Receipt> {
-        let parts: smallvec::SmallVec<[(usize, Key, Taken); 2]> = targets
+        let parts: smallvec::SmallVec<[RefundPart; 2]> = targets
             .iter()
             .zip(decisions)
             .filter(|(_, d)| d.allowed)
-            .filter_map(|(t, d)| Some((t.rule, t.key.clone(), d.taken?)))
+            .filter_map(|(t, d)| Some((t.clone(), d.taken?)))
             .collect();
         (!parts.is_empty()).then(|| Receipt {
             issuer: self.id(),
@@ -845,19 +850,22 @@ impl Limiter {
         })
     }
 
-    /// Give back receipts' parts (rule index, key, where taken), one store call per failure
-    /// domain, within one deadline.
-    pub(crate) async fn refund_parts(&self, parts: &[(usize, Key, Taken)]) -> Result<(), Error> {
+    /// Give back receipts' parts, one store call per failure domain, within one deadline. Each
+    /// is counted under the quota that decides its target now (its key's override, its
+    /// resolved quota, or its rule), as its decision was; a state written under another quota
+    /// since refunds nothing (the stores check).
+    pub(crate) async fn refund_parts(&self, parts: &[RefundPart]) -> Result<(), Error> {
         let rules = self.inner.rules.load_full();
+        let overrides = self.inner.overrides.load_full();
         let refunds = parts
             .iter()
-            .map(|(i, key, taken)| {
+            .map(|(target, taken)| {
                 let rule = rules
-                    .get(*i)
-                    .ok_or_else(|| Error::UnknownRule(format!("#{i}")))?;
+                    .get(target.rule)
+                    .ok_or_else(|| Error::UnknownRule(format!("#{}", target.rule)))?;
                 Ok(Refund {
-                    rule,
-                    key,
+                    rule: effective(rule, &overrides, target),
+                    key: &target.key,
                     taken: *taken,
                 })
             })

@@ -253,8 +253,14 @@ impl MemoryStore {
                 let now = shard.at(now);
                 let quota = r.rule.quota();
                 match shard.find(&check, hash) {
-                    // A receipt refunds only state of its own algorithm.
+                    // A receipt refunds only state of its own algorithm, written under the
+                    // refund's quota: read under another, a state is converted to it, which a
+                    // refund must never do (a key's hour of permits moved into a minute that
+                    // ends). Such a receipt refunds nothing.
                     Some(entry) if entry.state.fits(quota) => {
+                        if entry.state.converts(now, quota) {
+                            return peek(&mut entry.state.clone(), now, quota);
+                        }
                         entry.state.decide(now, quota, 1);
                         entry.state.refund(now, quota, r.taken);
                         entry.expires_at = entry.state.expires_at(quota);

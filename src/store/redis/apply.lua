@@ -154,9 +154,13 @@ end
 if op == 'refund' then
   for _, c in ipairs(checks) do
     c.alg.decide(c.st, now, c.q, 1)
-    -- A receipt of another algorithm comes with cost 0: it refunds nothing.
-    if c.cost > 0 then c.alg.refund(c.st, now, c.q, c.at, c.cost) end
-    c.alg.save(c.st, now, c.q)
+    -- A receipt of another algorithm comes with cost 0: it refunds nothing. Nor does one for a
+    -- state written under another quota: a refund never converts a state (the memory store's
+    -- refund_now says why), so nothing is saved.
+    if not c.st.dirty then
+      if c.cost > 0 then c.alg.refund(c.st, now, c.q, c.at, c.cost) end
+      c.alg.save(c.st, now, c.q)
+    end
     emit(peek(c), -1)
   end
   local answer = {}

@@ -12,10 +12,12 @@ function gcra.decide(st, now, q, cost)
   local t, burst = q.emission, q.burst
   local horizon = burst * t
   if st.emission ~= t then
-    if st.tat > now and st.emission ~= 0 then
-      -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
-      st.dirty = true
-      st.tat = now + rescale_ceil(st.tat - now, st.emission, t)
+    if st.emission ~= 0 then
+      if st.tat > now then
+        -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
+        st.dirty = true
+        st.tat = now + rescale_ceil(st.tat - now, st.emission, t)
+      end
       st.valid_from = now
     end
     st.emission = t
