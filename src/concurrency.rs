@@ -606,7 +606,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let (parts, body) = req.into_parts();
         let config = self.config.clone();
-        let grpc = crate::layer::is_grpc(&parts.headers);
+        let grpc = crate::layer::is_grpc(&parts);
         let key = config
             .key
             .as_ref()

@@ -380,7 +380,7 @@ where
         let (parts, body) = req.into_parts();
         let config = self.config.clone();
         let priority = (config.classify)(&parts);
-        let grpc = crate::layer::is_grpc(&parts.headers);
+        let grpc = crate::layer::is_grpc(&parts);
         let req = Request::from_parts(parts, body);
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);

@@ -8,7 +8,8 @@ use axum::extract::connect_info::MockConnectInfo;
 use axum::http::{Request, StatusCode};
 use axum::{routing::get, Router};
 use fleetlimit::{
-    key, Algorithm, Key, Limiter, ManualClock, MemoryStore, Quota, RateLimitLayer, Rule,
+    key, key::PeerIp, Algorithm, Key, Limiter, ManualClock, MemoryStore, Quota, RateLimitLayer,
+    Rule,
 };
 use http_body_util::BodyExt;
 use tower::ServiceExt;
@@ -291,4 +292,70 @@ async fn a_refusal_releases_what_the_inner_service_reserved_when_ready() {
         0,
         "the refused request's reservation was given back"
     );
+}
+
+/// A server that records its own connection-info type (tonic over TLS records
+/// `TlsConnectInfo<TcpConnectInfo>`): without `PeerIp::connect_info` every request has no key;
+/// with it, requests are keyed by that address.
+#[tokio::test]
+async fn the_peer_address_from_a_connection_info_type_of_the_servers() {
+    #[derive(Clone)]
+    struct Accepted {
+        remote: SocketAddr,
+    }
+    let clock = ManualClock::default();
+    let quota = Quota::per_minute(1).build().unwrap();
+    let send = |app: Router, from: [u8; 4]| async move {
+        let mut req = Request::get("/").body(Body::empty()).unwrap();
+        req.extensions_mut().insert(Accepted {
+            remote: SocketAddr::from((from, 443)),
+        });
+        app.oneshot(req).await.unwrap().status()
+    };
+    let unknown = app(RateLimitLayer::new(limiter(&clock, quota.clone())));
+    assert_eq!(
+        send(unknown, [203, 0, 113, 9]).await,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "no key: the type is not one the crate knows"
+    );
+    let named = app(RateLimitLayer::builder(limiter(&clock, quota))
+        .peer_ip(PeerIp::default().connect_info(|a: &Accepted| Some(a.remote)))
+        .build()
+        .unwrap());
+    assert_eq!(send(named.clone(), [203, 0, 113, 9]).await, StatusCode::OK);
+    assert_eq!(
+        send(named.clone(), [203, 0, 113, 9]).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(named, [203, 0, 113, 10]).await,
+        StatusCode::OK,
+        "another peer, another bucket"
+    );
+}
+
+/// Only a POST is a gRPC call: a GET that claims the gRPC content type is refused as HTTP, with
+/// a 429, not a gRPC `200 OK` that a cache or a monitor would take for success.
+#[tokio::test]
+async fn a_get_with_the_grpc_content_type_is_refused_as_http() {
+    let clock = ManualClock::default();
+    let quota = Quota::per_minute(1).build().unwrap();
+    let app = app(api_key_layer(limiter(&clock, quota)));
+    let send = |method: &str| {
+        let req = Request::builder()
+            .method(method)
+            .uri("/")
+            .header("x-api-key", "k")
+            .header("content-type", "application/grpc")
+            .body(Body::empty())
+            .unwrap();
+        app.clone().oneshot(req)
+    };
+    assert_eq!(send("GET").await.unwrap().status(), StatusCode::OK);
+    let refused = send("GET").await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.headers().get("grpc-status").is_none());
+    let grpc = send("POST").await.unwrap();
+    assert_eq!(grpc.status(), StatusCode::OK, "a gRPC call's denial");
+    assert_eq!(header(&grpc, "grpc-status").as_deref(), Some("8"));
 }

@@ -697,3 +697,64 @@ async fn stats_serialise_as_json() {
     assert_eq!(v["open_breakers"], 0);
     assert!(v.get("leased_keys").is_some());
 }
+
+/// A body the handler's typed parse accepts is read for its key too, whatever the fields the
+/// handler ignores hold: a number out of range, deep nesting, bad UTF-8 in a string, or a
+/// `+json` content type in capitals. Any of these once hid the key, and the rule (with the
+/// default missing-key answer, skip) let every guess through.
+#[tokio::test]
+async fn a_body_the_handler_accepts_always_has_its_key() {
+    #[derive(serde::Deserialize)]
+    struct Login {
+        account: String,
+        password: String,
+    }
+    let limiter = limiter(vec![rule("login-account", 1)]);
+    let app = Router::new()
+        .route(
+            "/login",
+            post(|body: axum::Json<Login>| async move {
+                let Login { account, password } = body.0;
+                if password == "right" && !account.is_empty() {
+                    StatusCode::OK
+                } else {
+                    StatusCode::UNAUTHORIZED
+                }
+            }),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter)
+                .scope(
+                    "login-account",
+                    Scope::new().key(key::json_field("account")),
+                )
+                .build()
+                .unwrap(),
+        )
+        .layer(BufferBodyLayer::new(4096));
+    let deep = format!(r#","pad":{}{}"#, "[".repeat(200), "]".repeat(200));
+    let cases: [(&str, &[u8]); 4] = [
+        ("application/json", br#","pad":1e400"#),
+        ("application/json", deep.as_bytes()),
+        ("application/json", b",\"pad\":\"\xff\""),
+        ("application/vnd.api+JSON", b""),
+    ];
+    for (n, (content_type, rest)) in cases.into_iter().enumerate() {
+        let mut body = format!(r#"{{"account":"victim-{n}","password":"guess""#).into_bytes();
+        body.extend_from_slice(rest);
+        body.push(b'}');
+        let headers = [("content-type", content_type)];
+        let first = send_body(&app, Method::POST, "/login", &headers, body.clone()).await;
+        assert_eq!(
+            first.status(),
+            StatusCode::UNAUTHORIZED,
+            "{n}: the handler reads this body"
+        );
+        let second = send_body(&app, Method::POST, "/login", &headers, body).await;
+        assert_eq!(
+            second.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{n}: the second guess for one account is refused"
+        );
+    }
+}

@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::request::Parts;
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::{Key, KeyExtractor};
 use crate::layer::BufferedBody;
@@ -33,8 +34,13 @@ pub fn json_field(field: &str) -> BodyField {
         // A plain name is a top-level field; `~` and `/` are escaped as a JSON pointer needs.
         format!("/{}", field.replace('~', "~0").replace('/', "~1"))
     };
+    let path = pointer
+        .split('/')
+        .skip(1)
+        .map(|segment| segment.replace("~1", "/").replace("~0", "~"))
+        .collect();
     BodyField {
-        field: Field::Json(pointer),
+        field: Field::Json { pointer, path },
         warned: AtomicBool::new(false),
     }
 }
@@ -59,7 +65,11 @@ pub struct BodyField {
 
 #[derive(Debug, Clone)]
 enum Field {
-    Json(String),
+    /// The pointer as given, and its segments unescaped.
+    Json {
+        pointer: String,
+        path: Vec<String>,
+    },
     Form(String),
 }
 
@@ -75,15 +85,7 @@ impl KeyExtractor for BodyField {
             return None;
         };
         match &self.field {
-            Field::Json(pointer) => {
-                let value: serde_json::Value = serde_json::from_slice(body.bytes()).ok()?;
-                match value.pointer(pointer)? {
-                    serde_json::Value::String(s) if !s.is_empty() => Some(Key::new(s)),
-                    serde_json::Value::Number(n) => Some(Key::new(n.to_string())),
-                    serde_json::Value::Bool(b) => Some(Key::new(if *b { "true" } else { "false" })),
-                    _ => None,
-                }
-            }
+            Field::Json { path, .. } => json_at(body.bytes(), path),
             Field::Form(name) => form_urlencoded::parse(body.bytes())
                 .find(|(k, _)| k == name)
                 .filter(|(_, v)| !v.is_empty())
@@ -93,7 +95,7 @@ impl KeyExtractor for BodyField {
 
     fn check(&self) -> Result<(), ConfigError> {
         match &self.field {
-            Field::Json(p) if p.len() <= 1 => Err(ConfigError::Invalid {
+            Field::Json { pointer, .. } if pointer.len() <= 1 => Err(ConfigError::Invalid {
                 setting: "json_field",
                 reason: "name a field".into(),
             }),
@@ -107,6 +109,137 @@ impl KeyExtractor for BodyField {
 
     fn chosen_by_client(&self) -> bool {
         true
+    }
+}
+
+/// The key at `path` in a JSON document, read in one pass that skips everything else as a
+/// typed handler's parse skips fields it does not know. Parsing the whole body into a
+/// `serde_json::Value` refuses what such a handler accepts (a number out of range, nesting past
+/// 128 levels, bad UTF-8 in a string, all in fields the handler ignores), and a refused body
+/// has no key: the rule was skipped while the handler still served the request. A field given
+/// twice counts as its last, as a `Value` reads it (a typed handler refuses the body).
+fn json_at(body: &[u8], path: &[String]) -> Option<Key> {
+    let mut document = serde_json::Deserializer::from_slice(body);
+    let key = At(path).deserialize(&mut document).ok()?;
+    document.end().ok()?;
+    key
+}
+
+/// Finds the value at a path of object fields and array indexes; everything off the path is
+/// skipped without being built.
+struct At<'p>(&'p [String]);
+
+impl<'de> DeserializeSeed<'de> for At<'_> {
+    type Value = Option<Key>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Key>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for At<'_> {
+    type Value = Option<Key>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Option<Key>, E> {
+        Ok(self
+            .0
+            .is_empty()
+            .then(|| Key::new(if v { "true" } else { "false" })))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Option<Key>, E> {
+        Ok(self.0.is_empty().then(|| Key::new(v.to_string())))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Option<Key>, E> {
+        Ok(self.0.is_empty().then(|| Key::new(v.to_string())))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Option<Key>, E> {
+        // Written as a `Value` would write it (`1.5`, `1e300`).
+        let number = serde_json::Number::from_f64(v).filter(|_| self.0.is_empty());
+        Ok(number.map(|n| Key::new(n.to_string())))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Option<Key>, E> {
+        Ok((self.0.is_empty() && !v.is_empty()).then(|| Key::new(v)))
+    }
+
+    fn visit_unit<E>(self) -> Result<Option<Key>, E> {
+        Ok(None)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Key>, A::Error> {
+        let mut found = None;
+        match self.0.split_first() {
+            Some((field, rest)) => {
+                while let Some(on_path) = map.next_key_seed(Named(field))? {
+                    if on_path {
+                        found = map.next_value_seed(At(rest))?;
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            None => while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {},
+        }
+        Ok(found)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Key>, A::Error> {
+        let (index, rest) = match self.0.split_first() {
+            Some((segment, rest)) => (array_index(segment), rest),
+            None => (None, self.0),
+        };
+        let mut found = None;
+        for i in 0.. {
+            if Some(i) == index {
+                match seq.next_element_seed(At(rest))? {
+                    Some(key) => found = key,
+                    None => break,
+                }
+            } else if seq.next_element::<IgnoredAny>()?.is_none() {
+                break;
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// A JSON pointer segment as an array index: digits without a leading zero, as RFC 6901 reads
+/// them.
+fn array_index(segment: &str) -> Option<usize> {
+    let canonical = segment == "0" || !segment.starts_with('0');
+    let digits = !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_digit());
+    (canonical && digits)
+        .then(|| segment.parse().ok())
+        .flatten()
+}
+
+/// Whether an object's field name is the one on the path, without keeping the name.
+struct Named<'n>(&'n str);
+
+impl<'de> DeserializeSeed<'de> for Named<'_> {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Named<'_> {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a field name")
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<bool, E> {
+        Ok(v == self.0)
     }
 }
 
@@ -137,6 +270,49 @@ mod tests {
         let unread = http::Request::post("/").body(()).unwrap().into_parts().0;
         assert_eq!(json_field("account").extract(&unread), None);
         assert!(json_field("").check().is_err());
+    }
+
+    #[test]
+    fn what_a_typed_handler_skips_never_hides_the_key() {
+        let deep = format!(
+            r#"{{"pad":{}{},"account":"a"}}"#,
+            "[".repeat(300),
+            "]".repeat(300)
+        );
+        let mut bad_utf8 = br#"{"pad":""#.to_vec();
+        bad_utf8.extend_from_slice(b"\xff\",\"account\":\"a\"}");
+        for body in [
+            br#"{"pad":1e400,"account":"a"}"#.to_vec(),
+            br#"{"pad":-1e400,"account":"a","more":123456789012345678901234567890}"#.to_vec(),
+            deep.into_bytes(),
+            bad_utf8,
+            br#"{"account":"b","account":"a"}"#.to_vec(),
+        ] {
+            let text = String::from_utf8_lossy(&body).into_owned();
+            assert_eq!(
+                json_field("account").extract(&parts_with(&body)),
+                Some(Key::new("a")),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn json_pointers_into_arrays_and_escaped_names() {
+        let p = parts_with(br#"{"items":[{"id":1},{"id":"two"}],"a~b":{"c/d":1.5},"e":null}"#);
+        assert_eq!(json_field("/items/1/id").extract(&p), Some(Key::new("two")));
+        assert_eq!(json_field("/items/0/id").extract(&p), Some(Key::new("1")));
+        assert_eq!(json_field("/items/01/id").extract(&p), None, "not an index");
+        assert_eq!(json_field("/items/2/id").extract(&p), None);
+        assert_eq!(json_field("/a~0b/c~1d").extract(&p), Some(Key::new("1.5")));
+        assert_eq!(json_field("e").extract(&p), None, "null is no key");
+        assert_eq!(json_field("items").extract(&p), None, "an array is no key");
+        let trailing = parts_with(br#"{"account":"a"} x"#);
+        assert_eq!(
+            json_field("account").extract(&trailing),
+            None,
+            "not one document"
+        );
     }
 
     #[test]

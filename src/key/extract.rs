@@ -180,7 +180,20 @@ pub struct PeerIp {
     trusted: TrustedProxies,
     header: ForwardedHeader,
     client_header: Option<HeaderName>,
+    connect_info: Option<ConnectInfo>,
     watch: Arc<Watch>,
+}
+
+/// The peer address read from a connection-info type given to [`PeerIp::connect_info`].
+#[derive(Clone)]
+struct ConnectInfo(Arc<PeerFrom>);
+
+type PeerFrom = dyn Fn(&http::Extensions) -> Option<SocketAddr> + Send + Sync;
+
+impl fmt::Debug for ConnectInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConnectInfo(..)")
+    }
 }
 
 impl Default for PeerIp {
@@ -190,6 +203,7 @@ impl Default for PeerIp {
             trusted: TrustedProxies::none(),
             header: ForwardedHeader::default(),
             client_header: None,
+            connect_info: None,
             watch: Arc::default(),
         }
     }
@@ -292,6 +306,45 @@ impl PeerIp {
         self
     }
 
+    /// Read the peer address from a connection-info type of the server's, tried before the
+    /// types this crate knows (axum's `ConnectInfo<SocketAddr>`, tonic's `TcpConnectInfo`, a
+    /// `SocketAddr`). tonic serving TLS records `TlsConnectInfo<TcpConnectInfo>` instead, and
+    /// needs this (its type exists only with tonic's TLS features):
+    /// `.connect_info(|i: &TlsConnectInfo<TcpConnectInfo>| i.get_ref().remote_addr())`.
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use fleetlimit::key::{KeyExtractor, PeerIp};
+    ///
+    /// /// What this server's acceptor records for each connection.
+    /// #[derive(Clone)]
+    /// struct Accepted { remote: SocketAddr }
+    ///
+    /// let peer = PeerIp::default().connect_info(|a: &Accepted| Some(a.remote));
+    /// let mut parts = http::Request::new(()).into_parts().0;
+    /// parts.extensions.insert(Accepted { remote: "203.0.113.9:443".parse().unwrap() });
+    /// assert!(peer.extract(&parts).is_some());
+    /// ```
+    pub fn connect_info<T: Clone + Send + Sync + 'static>(
+        mut self,
+        peer: impl Fn(&T) -> Option<SocketAddr> + Send + Sync + 'static,
+    ) -> Self {
+        self.connect_info = Some(ConnectInfo(Arc::new(move |extensions| {
+            extensions.get::<T>().and_then(&peer)
+        })));
+        self
+    }
+
+    /// The peer address: from the [`connect_info`](PeerIp::connect_info) type if one is
+    /// given and recorded, else as [`peer_addr`](PeerIp::peer_addr) finds it.
+    fn peer(&self, parts: &Parts) -> Option<IpAddr> {
+        let custom = self.connect_info.as_ref();
+        custom
+            .and_then(|read| (read.0)(&parts.extensions))
+            .map(|a| a.ip())
+            .or_else(|| PeerIp::peer_addr(parts))
+    }
+
     /// Group IPv6 peers by this prefix length (0–128; default 64). 128 counts every address
     /// on its own.
     pub fn ipv6_prefix(mut self, prefix: u8) -> Self {
@@ -344,7 +397,7 @@ impl PeerIp {
 
 impl KeyExtractor for PeerIp {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        let peer = PeerIp::peer_addr(parts)?;
+        let peer = self.peer(parts)?;
         self.watch.observe(peer, parts, &self.trusted);
         Some(Key::from_ip(self.client(peer, parts), self.ipv6_prefix))
     }

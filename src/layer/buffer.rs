@@ -130,8 +130,10 @@ impl BufferConfig {
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|ct| {
                     let mime = ct.split(';').next().unwrap_or("").trim();
+                    // Media types are case-insensitive (a handler's parse accepts `+JSON`).
+                    let suffix = mime.len().checked_sub(5).and_then(|at| mime.get(at..));
                     mime.eq_ignore_ascii_case("application/json")
-                        || mime.ends_with("+json")
+                        || suffix.is_some_and(|s| s.eq_ignore_ascii_case("+json"))
                         || mime.eq_ignore_ascii_case("application/x-www-form-urlencoded")
                 }),
         }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderMap, Response, StatusCode};
+use http::{Response, StatusCode};
 
 use super::headers::{ceil_millis, ceil_secs};
 use crate::{Decision, Source};
@@ -49,11 +49,15 @@ static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 
-/// Whether the request is a gRPC call (`content-type: application/grpc…`).
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+/// Whether the request is a gRPC call: a `POST` with `content-type: application/grpc…`. Any
+/// client can send the content type; a `GET` with it is still answered as HTTP (a gRPC denial
+/// is a `200 OK`, which a cache or a monitor would take for success).
+pub(crate) fn is_grpc(parts: &http::request::Parts) -> bool {
+    parts.method == http::Method::POST
+        && parts
+            .headers
+            .get(CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
 /// The statuses of the denials that are not plain 429s.

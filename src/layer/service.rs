@@ -49,7 +49,7 @@ where
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let (parts, body) = req.into_parts();
         let plan = self.config.plan(&parts);
-        let grpc = super::response::is_grpc(&parts.headers);
+        let grpc = super::response::is_grpc(&parts);
         let req = Request::from_parts(parts, body);
         match plan {
             Plan::Pass => ResponseFuture::pass(self.inner.call(req)),

@@ -462,7 +462,8 @@ fn merge(ours: RateLimitInfo, other: Option<RateLimitInfo>) -> RateLimitInfo {
 pub(crate) fn no_key(grpc: bool) -> Response<Bytes> {
     tracing::error!(
         "fleetlimit: no rate-limit key for a request (no extractor matched and no peer address; \
-         serve axum with `into_make_service_with_connect_info::<SocketAddr>()`)"
+         serve axum with `into_make_service_with_connect_info::<SocketAddr>()`; for tonic over \
+         TLS or a server of your own, name its connection info with `PeerIp::connect_info`)"
     );
     refusal(
         grpc,
