@@ -353,3 +353,66 @@ async fn refusals_answered_from_the_denial_cache_earn_the_penalty_too() {
         "the third refusal blocked the client: {listing:?}"
     );
 }
+
+/// The penalty box counts only a client's own refusals by its quotas: refusals by a listing
+/// (an operator's 5 s block, or another instance's) never replace the block with the box's
+/// longer one, and a key every request shares (a global limit) is never blocked, or one
+/// client's flood would refuse everyone.
+#[tokio::test]
+async fn the_penalty_box_leaves_listings_and_shared_keys_alone() {
+    use fleetlimit::Penalty;
+    each_backend(async |backend, clock, name| {
+        let penalty = Penalty::new(3, Duration::from_secs(10), Duration::from_secs(120));
+        let rule = Rule::new(
+            "api",
+            Quota::per_minute(3)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let limiter = match &backend {
+            Backend::Memory(store) => Limiter::builder(store.clone())
+                .rule(rule)
+                .penalty(penalty)
+                .clock(clock.clone())
+                .build()
+                .unwrap(),
+            Backend::Redis(server) => {
+                let store = RedisStore::builder()
+                    .clock(clock.clone())
+                    .connect(&server.url())
+                    .await
+                    .unwrap();
+                Limiter::builder(store)
+                    .rule(rule)
+                    .on_store_error(OnStoreError::fail_closed())
+                    .deadline(Duration::from_secs(2))
+                    .penalty(penalty)
+                    .clock(clock.clone())
+                    .build()
+                    .unwrap()
+            }
+        };
+        let key = Key::new("briefly-blocked");
+        limiter.block(&key, Duration::from_secs(5)).await.unwrap();
+        for _ in 0..30 {
+            assert!(!limiter.consume(&key, 1).await.unwrap().allowed);
+        }
+        let listing = limiter.inspect(&key).await.unwrap().listing;
+        assert!(
+            matches!(listing, Some(Listing::Block(left)) if left <= Duration::from_secs(5)),
+            "{name}: the operator's 5 s block stands: {listing:?}"
+        );
+        let everyone = Key::global();
+        assert_eq!(admitted(&limiter, &everyone, 20).await, 3, "{name}");
+        assert_eq!(
+            limiter.inspect(&everyone).await.unwrap().listing,
+            None,
+            "{name}: the global key is never blocked"
+        );
+        clock.advance(Duration::from_secs(60));
+        assert_eq!(admitted(&limiter, &everyone, 3).await, 3, "{name}");
+    })
+    .await;
+}

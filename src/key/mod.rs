@@ -168,6 +168,12 @@ impl Key {
         Key(Repr::new(TAG_KEYLESS, &[]))
     }
 
+    /// Whether every request (or every request without a key) shares this key: blocking it
+    /// would refuse everyone for one client's flood.
+    pub(crate) fn is_shared(&self) -> bool {
+        *self == Key::global() || *self == Key::keyless()
+    }
+
     /// The encoded key: a kind tag, then the user's bytes or a digest. Distinct keys have
     /// distinct encodings.
     pub fn as_bytes(&self) -> &[u8] {

@@ -1058,8 +1058,17 @@ impl Inner {
         let mut earned: Vec<(Key, Duration)> = Vec::new();
         let mut counted: Vec<&Key> = Vec::new();
         for (t, d) in targets.iter().zip(decisions) {
-            // The outage policy's refusals and costs that never fit are not the client hammering.
-            if d.allowed || d.degraded || d.retry_after.is_none() || counted.contains(&&t.key) {
+            // The outage policy's refusals and costs that never fit are not the client
+            // hammering, nor refusals by a listing (a block is the penalty already; counted, an
+            // operator's short block would be replaced by the box's longer one). A key every
+            // request shares is never blocked: one client's flood would refuse everyone.
+            if d.allowed
+                || d.degraded
+                || d.retry_after.is_none()
+                || d.listed.is_listed()
+                || t.key.is_shared()
+                || counted.contains(&&t.key)
+            {
                 continue;
             }
             counted.push(&t.key);

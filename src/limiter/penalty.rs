@@ -104,19 +104,43 @@ impl Penalties {
         }
     }
 
+    /// Forget the records that can no longer lead to a block or a longer one: a key never
+    /// blocked once its window has passed, a blocked one once it is forgiven. If that frees
+    /// nothing (a spray of keys, each refused once), forget the eighth whose windows started
+    /// first, the blocked last: a full box must go on counting new keys, or a spray would switch it
+    /// off for a day.
+    fn make_room(&self, records: &mut HashMap<Key, Record>, now: u64) {
+        let c = &self.config;
+        let (within, forgive) = (micros(c.within), micros(c.forgive_after));
+        records.retain(|_, r| {
+            r.blocked_until > now
+                || if r.blocks == 0 {
+                    now.saturating_sub(r.window_start) < within
+                } else {
+                    now.saturating_sub(r.blocked_until) < forgive
+                }
+        });
+        if records.len() < self.capacity {
+            return;
+        }
+        // A blocked key's window starts when its block ends: it sorts last.
+        let mut starts: Vec<u64> = records.values().map(|r| r.window_start).collect();
+        let eighth = (records.len() / 8).max(1);
+        let (_, &mut cut, _) = starts.select_nth_unstable(eighth - 1);
+        let mut dropped = 0;
+        records.retain(|_, r| {
+            let drop = dropped < eighth && r.window_start <= cut;
+            dropped += usize::from(drop);
+            !drop
+        });
+    }
+
     /// Count a denial of `key` at `now`; the block to impose, if this one earns it.
     pub(crate) fn denied(&self, key: &Key, now: u64) -> Option<Duration> {
         let c = &self.config;
         let mut records = self.records.lock();
         if !records.contains_key(key) && records.len() >= self.capacity {
-            // Forget the records that can no longer lead to a block or a longer one.
-            let forgotten = micros(c.within).max(micros(c.forgive_after));
-            records.retain(|_, r| {
-                now.saturating_sub(r.window_start) < forgotten || r.blocked_until > now
-            });
-            if records.len() >= self.capacity {
-                return None; // a flood of new keys: count them when there is room
-            }
+            self.make_room(&mut records, now);
         }
         let r = records.entry(key.clone()).or_insert(Record {
             window_start: now,
@@ -185,6 +209,47 @@ mod tests {
         p.denied(&k, now);
         p.denied(&k, now);
         assert_eq!(p.denied(&k, now), Some(Duration::from_secs(60)));
+    }
+
+    /// A spray of keys, each refused once, fills the box: it goes on counting new keys (within
+    /// the spray's window and after it), and a blocked key keeps its escalation.
+    #[test]
+    fn a_spray_of_keys_never_switches_the_box_off() {
+        let p = Penalties::new(
+            Penalty::new(3, Duration::from_secs(10), Duration::from_secs(60)),
+            100,
+        );
+        let repeat = Key::new("repeat");
+        for t in [0, 1, 2] {
+            p.denied(&repeat, t);
+        }
+        for i in 0..1000u32 {
+            assert_eq!(
+                p.denied(&Key::new(i.to_be_bytes()), 10 + u64::from(i)),
+                None
+            );
+        }
+        assert!(p.records.lock().len() <= 100);
+        let offender = Key::new("offender");
+        let now = 2000;
+        assert_eq!(p.denied(&offender, now), None);
+        assert_eq!(p.denied(&offender, now + 1), None);
+        assert_eq!(
+            p.denied(&offender, now + 2),
+            Some(Duration::from_secs(60)),
+            "counted while the spray is in its window"
+        );
+        let later = Key::new("later");
+        let now = 11 * S;
+        p.denied(&later, now);
+        p.denied(&later, now);
+        assert_eq!(p.denied(&later, now), Some(Duration::from_secs(60)));
+        // The first blocked key, refused again after its block: twice as long.
+        let after = 61 * S;
+        for _ in 0..2 {
+            assert_eq!(p.denied(&repeat, after), None);
+        }
+        assert_eq!(p.denied(&repeat, after), Some(Duration::from_secs(120)));
     }
 
     #[test]
