@@ -190,8 +190,9 @@ impl ConcurrencyLimiter {
             Some(Fallback::Local { store, limit }) => {
                 let name = &self.inner.name;
                 let ttl = Duration::MAX / 4;
-                // A caller's share of the limit (load shedding) holds in the fallback too.
-                let limit = &(*limit).min(share);
+                // A caller's share of the limit (load shedding) holds in the fallback too, as
+                // the same fraction of this process's slots.
+                let limit = &local_share(*limit, share, self.inner.limit);
                 match store.slots_now(SlotOp::Acquire, name, key, id, *limit, ttl) {
                     (true, _) => {
                         Acquired::Held(Slot::local(store.clone(), name.clone(), key.clone(), id))
@@ -299,6 +300,24 @@ impl<S: Store> ConcurrencyLimiterBuilder<S, OnStoreError> {
     /// Validate and build.
     pub fn build(self) -> Result<ConcurrencyLimiter, ConfigError> {
         self.build_inner()
+    }
+}
+
+/// The slots of `local` (this process's, in an outage) a caller with `share` of the fleet's
+/// `limit` may hold: the same fraction, at least one for a share above zero. Taking the smaller
+/// of `local` and `share` instead gave every priority all the local slots (with 25 local of
+/// 100, best effort's 50 is more than 25), so best effort could crowd out critical requests
+/// just when the store was away.
+fn local_share(local: u64, share: u64, limit: u64) -> u64 {
+    if share >= limit {
+        return local;
+    }
+    let scaled = u128::from(local) * u128::from(share) / u128::from(limit.max(1));
+    let scaled = u64::try_from(scaled).unwrap_or(local);
+    if share > 0 {
+        scaled.max(1)
+    } else {
+        0
     }
 }
 
@@ -712,5 +731,20 @@ impl<B: Body, G> Body for HeldBody<B, G> {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::local_share;
+
+    #[test]
+    fn a_share_of_the_local_slots_is_the_same_fraction() {
+        assert_eq!(local_share(25, 50, 100), 12);
+        assert_eq!(local_share(25, 100, 100), 25);
+        assert_eq!(local_share(2, 4, 8), 1);
+        assert_eq!(local_share(2, 1, 100), 1, "a share above zero is a slot");
+        assert_eq!(local_share(2, 0, 100), 0);
+        assert_eq!(local_share(u64::MAX, u64::MAX - 1, u64::MAX), u64::MAX - 1);
     }
 }

@@ -217,3 +217,67 @@ async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
         "critical: the rest"
     );
 }
+
+/// While the store is away, `LocalShare` holds the budget in each process, and the priorities'
+/// shares hold as fractions of those local slots: a budget of 8 over 4 servers is 2 here, best
+/// effort may hold 1 of them and critical requests the rest. (The local slots were once capped
+/// at each priority's fleet-wide count, 4 for best effort, so best effort took both.)
+#[tokio::test]
+async fn in_an_outage_the_local_slots_keep_the_priorities_shares() {
+    let mut redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    let slots = ConcurrencyLimiter::builder(store, "fleet", 8)
+        .on_store_error(OnStoreError::LocalShare(4))
+        .deadline(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (arrived, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler_gate = gate.clone();
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || {
+                let (gate, arrived) = (handler_gate.clone(), arrived.clone());
+                async move {
+                    let _ = arrived.send(());
+                    let _ = gate.acquire().await;
+                    "ok"
+                }
+            }),
+        )
+        .layer(
+            LoadShedLayer::builder(classify)
+                .fleet(FleetUsage::new(slots))
+                .build()
+                .unwrap(),
+        );
+    redis.kill();
+    let call = |priority: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::get("/")
+                .header("x-priority", priority)
+                .body(Body::empty())
+                .unwrap();
+            let response = app.oneshot(req).await.unwrap();
+            let status = response.status();
+            response.into_body().collect().await.unwrap();
+            status
+        }
+    };
+    let first = tokio::spawn(call("best-effort"));
+    arrivals.recv().await.unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(5), call("best-effort")).await;
+    assert_eq!(
+        second.ok(),
+        Some(StatusCode::SERVICE_UNAVAILABLE),
+        "best effort's share of the 2 local slots is 1"
+    );
+    let critical = tokio::spawn(call("critical"));
+    let entered = tokio::time::timeout(Duration::from_secs(5), arrivals.recv()).await;
+    assert!(entered.is_ok(), "the critical request gets a slot");
+    gate.add_permits(2);
+    assert_eq!(critical.await.unwrap(), StatusCode::OK);
+    assert_eq!(first.await.unwrap(), StatusCode::OK);
+}
