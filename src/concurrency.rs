@@ -5,7 +5,7 @@
 //! when the request is dropped or cancelled. Slots live in the store with an expiry that the
 //! holder renews while the request runs (every third of [`DEFAULT_SLOT_TTL`]), so the slots of a
 //! process killed mid-request free themselves within that time. On Redis a key's slots are one
-//! sorted set (`<prefix>{key}:slots:<name>`, scored by expiry), changed by one script call per
+//! sorted set (`<prefix>{key}:slots=<name>`, scored by expiry), changed by one script call per
 //! acquire, renewal and release; the memory store has a twin.
 //!
 //! ```
@@ -156,6 +156,15 @@ impl ConcurrencyLimiter {
     pub(crate) async fn acquire_within(&self, key: &Key, limit: u64) -> Acquired {
         let inner = &self.inner;
         let id = slot_id();
+        // Until the store's answer is in, the call may have taken the slot: if the deadline
+        // passes, or this future is dropped (the client went away, an outer timeout), the slot
+        // is given back.
+        let mut pending = Pending {
+            inner,
+            key,
+            id,
+            armed: true,
+        };
         let call = inner
             .store
             .slots(SlotOp::Acquire, &inner.name, key, id, limit, inner.ttl);
@@ -166,13 +175,15 @@ impl ConcurrencyLimiter {
                 .unwrap_or(Err(StoreError::Timeout(inner.deadline))),
         };
         match answer {
-            Ok((true, _)) => Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id)),
-            Ok((false, in_flight)) => Acquired::Full { limit, in_flight },
-            Err(error) => {
-                // The call may have taken the slot before the deadline passed: give it back.
-                release_later(inner.clone(), key.clone(), id);
-                self.fallback(key, id, limit, &error)
+            Ok((true, _)) => {
+                pending.armed = false;
+                Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id))
             }
+            Ok((false, in_flight)) => {
+                pending.armed = false;
+                Acquired::Full { limit, in_flight }
+            }
+            Err(error) => self.fallback(key, id, limit, &error),
         }
     }
 
@@ -321,6 +332,22 @@ fn local_share(local: u64, share: u64, limit: u64) -> u64 {
     }
 }
 
+/// An acquisition whose answer is not in: gives its slot back when dropped armed.
+struct Pending<'a> {
+    inner: &'a Arc<Inner>,
+    key: &'a Key,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            release_later(self.inner.clone(), self.key.clone(), self.id);
+        }
+    }
+}
+
 /// Give slot `id` back in the background (a call that timed out may have taken it).
 fn release_later(limiter: Arc<Inner>, key: Key, id: u64) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -389,8 +416,13 @@ impl Slot {
             runtime
                 .spawn(async move {
                     let every = limiter.ttl / 3;
+                    // A slot lives a ttl from the last renewal that landed: one that fails is
+                    // tried again soon, not a third later (two thirds after a failure, the next
+                    // try came when the slot had expired, and the request went on without it).
+                    let retry = limiter.ttl / 10;
+                    let mut wait = every;
                     loop {
-                        tokio::time::sleep(every).await;
+                        tokio::time::sleep(wait).await;
                         let renew = limiter.store.slots(
                             SlotOp::Renew,
                             &limiter.name,
@@ -399,8 +431,8 @@ impl Slot {
                             limiter.limit,
                             limiter.ttl,
                         );
-                        match tokio::time::timeout(every, renew).await {
-                            Ok(Ok((true, _))) => {}
+                        wait = match tokio::time::timeout(retry, renew).await {
+                            Ok(Ok((true, _))) => every,
                             Ok(Ok((false, _))) => {
                                 tracing::warn!(
                                     name = %limiter.name,
@@ -408,9 +440,8 @@ impl Slot {
                                 );
                                 return;
                             }
-                            // Try again at the next renewal; the slot lives a whole ttl.
-                            _ => {}
-                        }
+                            _ => retry,
+                        };
                     }
                 })
                 .abort_handle()
@@ -736,7 +767,133 @@ impl<B: Body, G> Body for HeldBody<B, G> {
 
 #[cfg(test)]
 mod tests {
-    use super::local_share;
+    use super::*;
+    use crate::store::{BoxFuture, Check, Lease, Listing, Op, Refund};
+    use crate::{Clock, Decision, Rule};
+    use std::sync::atomic::AtomicU32;
+
+    /// Tokio's time, paused in these tests, as a store clock.
+    #[derive(Debug)]
+    struct TokioClock(tokio::time::Instant);
+
+    impl Clock for TokioClock {
+        fn now_us(&self) -> u64 {
+            1_735_689_600_000_000 + self.0.elapsed().as_micros() as u64
+        }
+    }
+
+    /// A memory store whose first slot renewal never answers (a request lost on the way).
+    struct LosesARenewal {
+        store: MemoryStore,
+        lost: AtomicU32,
+    }
+
+    impl crate::store::sealed::Sealed for LosesARenewal {}
+
+    impl Store for LosesARenewal {
+        fn apply<'a>(
+            &'a self,
+            op: Op,
+            checks: &'a [Check<'a>],
+        ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
+            self.store.apply(op, checks)
+        }
+        fn lease<'a>(
+            &'a self,
+            check: Check<'a>,
+            max_validity: Duration,
+        ) -> BoxFuture<'a, Result<Lease, StoreError>> {
+            self.store.lease(check, max_validity)
+        }
+        fn refund<'a>(
+            &'a self,
+            refunds: &'a [Refund<'a>],
+        ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
+            self.store.refund(refunds)
+        }
+        fn pause<'a>(
+            &'a self,
+            rule: &'a Rule,
+            key: &'a Key,
+            pause: Duration,
+        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            self.store.pause(rule, key, pause)
+        }
+        fn paused_for<'a>(
+            &'a self,
+            rule: &'a Rule,
+            key: &'a Key,
+        ) -> BoxFuture<'a, Result<Option<Duration>, StoreError>> {
+            self.store.paused_for(rule, key)
+        }
+        fn set_listing<'a>(
+            &'a self,
+            key: &'a Key,
+            listing: Option<Listing>,
+        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            self.store.set_listing(key, listing)
+        }
+        fn listing<'a>(
+            &'a self,
+            key: &'a Key,
+        ) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
+            self.store.listing(key)
+        }
+        fn reset<'a>(
+            &'a self,
+            rule: &'a Rule,
+            key: &'a Key,
+        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            self.store.reset(rule, key)
+        }
+        fn slots<'a>(
+            &'a self,
+            op: SlotOp,
+            name: &'a str,
+            key: &'a Key,
+            slot: u64,
+            limit: u64,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<(bool, u64), StoreError>> {
+            if op == SlotOp::Renew && self.lost.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Box::pin(std::future::pending());
+            }
+            self.store.slots(op, name, key, slot, limit, ttl)
+        }
+    }
+
+    /// One renewal lost: the next try comes soon enough that the slot never lapses, and a
+    /// second request is still refused after the first ttl has passed.
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_renewal_is_tried_again_before_the_slot_expires() {
+        let store = LosesARenewal {
+            store: MemoryStore::builder()
+                .clock(TokioClock(tokio::time::Instant::now()))
+                .build()
+                .unwrap(),
+            lost: AtomicU32::new(0),
+        };
+        let ttl = Duration::from_secs(3);
+        let limiter = ConcurrencyLimiter::builder(store, "in-flight", 1)
+            .ttl(ttl)
+            .on_store_error(OnStoreError::FailClosed {
+                retry_after: Duration::from_secs(1),
+            })
+            .build()
+            .unwrap();
+        let key = Key::new("tenant");
+        let held = limiter.acquire(&key).await;
+        assert!(matches!(held, Acquired::Held(_)));
+        let start = tokio::time::Instant::now();
+        for at in [ttl + ttl / 6, 3 * ttl] {
+            tokio::time::sleep_until(start + at).await;
+            assert!(
+                matches!(limiter.acquire(&key).await, Acquired::Full { .. }),
+                "the slot lapsed by {at:?}"
+            );
+        }
+        drop(held);
+    }
 
     #[test]
     fn a_share_of_the_local_slots_is_the_same_fraction() {

@@ -135,7 +135,7 @@ async fn never_more_than_the_limit_in_flight_across_two_instances() {
     // The probe's own slots are given back in the background too: allowed a moment.
     let held = || {
         server
-            .cmd(&["ZCARD", "fleetlimit:{tenant}:slots:in-flight"])
+            .cmd(&["ZCARD", "fleetlimit:{ktenant}:slots=in-flight"])
             .unwrap()
             .as_int()
     };
@@ -218,4 +218,44 @@ async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
     assert_eq!(first.await.unwrap().0, StatusCode::OK);
     let left = rate.peek(&Key::new("tenant")).await.unwrap().remaining;
     assert_eq!(left, 9, "only the served request counted");
+}
+
+/// An acquisition dropped while its call is in flight (the client went away, an outer timeout)
+/// gives back the slot the call took in Redis, at once rather than a ttl later.
+#[tokio::test]
+async fn an_acquisition_dropped_in_flight_gives_its_slot_back() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    let limiter = ConcurrencyLimiter::builder(store, "in-flight", 1)
+        .ttl(Duration::from_secs(60))
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let key = Key::new("tenant");
+    // The connection is up and the script loaded; the warm-up slot's release has landed.
+    assert!(matches!(limiter.acquire(&key).await, Acquired::Held(_)));
+    let held = || {
+        redis
+            .cmd(&["ZCARD", "fleetlimit:{ktenant}:slots=in-flight"])
+            .unwrap()
+            .as_int()
+            .unwrap()
+    };
+    for _ in 0..100 {
+        if held() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(held(), 0);
+    redis.pause();
+    let dropped = tokio::time::timeout(Duration::from_millis(300), limiter.acquire(&key)).await;
+    assert!(dropped.is_err(), "dropped while Redis holds the call");
+    redis.resume();
+    // Redis runs the acquisition, then the release sent after it: the slot is free again well
+    // within its 60 s ttl.
+    tokio::time::timeout(Duration::from_secs(5), all_free(&limiter))
+        .await
+        .expect("the dropped acquisition's slot is still held");
 }

@@ -37,15 +37,16 @@ pub(crate) fn listing_key(prefix: &str, key: &Key) -> Vec<u8> {
     out
 }
 
-/// `<prefix>{<key>}:slots:<name>`: the concurrency slots held for the key (same slot as its
-/// states); a state key never has a segment `slots` followed by the end.
+/// `<prefix>{<key>}:slots=<name>`: the concurrency slots held for the key (same slot as its
+/// states). The encoding never yields `=`, so no state key (`:<rule>:<algorithm>`, where a rule
+/// named `slots` once met a limit named after an algorithm) nor the listing is ever one.
 pub(crate) fn slots_key(prefix: &str, name: &str, key: &Key) -> Vec<u8> {
     let key_bytes = key.as_bytes();
     let mut out = Vec::with_capacity(prefix.len() + 3 * (key_bytes.len() + name.len()) + 10);
     out.extend_from_slice(prefix.as_bytes());
     out.push(b'{');
     encode(key_bytes, &mut out);
-    out.extend_from_slice(b"}:slots:");
+    out.extend_from_slice(b"}:slots=");
     encode(name.as_bytes(), &mut out);
     out
 }
@@ -130,6 +131,26 @@ mod tests {
             slot(&redis_key("p:", &rule("a"), &k)),
             slot(&redis_key("p:", &rule("b"), &k)),
             "rules on one key share a slot"
+        );
+        // Concurrency slots never share a key with a state or a listing, whatever the names.
+        for (name, algorithm) in [
+            ("tb", Algorithm::TokenBucket),
+            ("fw", Algorithm::FixedWindow),
+            ("sl", Algorithm::SlidingLog),
+            ("sw", Algorithm::SlidingWindow),
+            ("gc", Algorithm::Gcra),
+        ] {
+            let quota = crate::Quota::per_second(1)
+                .algorithm(algorithm)
+                .build()
+                .unwrap();
+            let state = redis_key("p:", &Rule::new("slots", quota).unwrap(), &k);
+            assert_ne!(slots_key("p:", name, &k), state, "{name}");
+        }
+        assert_ne!(slots_key("p:", "listing", &k), listing_key("p:", &k));
+        assert_eq!(
+            slot(&slots_key("p:", "in-flight", &k)),
+            slot(&listing_key("p:", &k))
         );
     }
 }
