@@ -416,3 +416,78 @@ async fn the_penalty_box_leaves_listings_and_shared_keys_alone() {
     })
     .await;
 }
+
+/// A loopback proxy to `upstream` that holds every chunk a client sends for `delay`: Redis
+/// across a slow link. Ends when the test's runtime does.
+async fn slow_link(upstream: String, delay: Duration) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (mut from_client, mut to_client) = client.into_split();
+            let (mut from_server, mut to_server) = server.into_split();
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n @ 1..) = from_client.read(&mut buf).await {
+                    tokio::time::sleep(delay).await;
+                    if to_server.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
+            });
+        }
+    });
+    format!("redis://{addr}")
+}
+
+/// A refusal that earns a block records it within the request's own deadline: a slow store
+/// never makes the penalty box wait a second deadline after the decision.
+#[tokio::test]
+async fn a_block_earned_on_a_slow_store_keeps_the_requests_deadline() {
+    use fleetlimit::Penalty;
+    let server = RedisServer::start();
+    let url = slow_link(server.addr(), Duration::from_millis(150)).await;
+    let store = RedisStore::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await
+        .unwrap();
+    let deadline = Duration::from_millis(400);
+    let limiter = Limiter::builder(store)
+        .rule(Rule::new("api", Quota::per_hour(1).build().unwrap()).unwrap())
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(deadline)
+        .deny_cache(0)
+        .penalty(Penalty::new(
+            2,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ))
+        .build()
+        .unwrap();
+    // Connecting and loading the script take several round trips: until then, the policy.
+    let warm = Key::new("warm-up");
+    for _ in 0..20 {
+        if !limiter.consume(&warm, 1).await.unwrap().degraded {
+            break;
+        }
+    }
+    let key = Key::new("slow");
+    assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+    assert!(!limiter.consume(&key, 1).await.unwrap().allowed);
+    let started = std::time::Instant::now();
+    let earning = limiter.consume(&key, 1).await.unwrap();
+    let took = started.elapsed();
+    assert!(!earning.allowed);
+    assert!(
+        took < deadline + Duration::from_millis(100),
+        "the refusal that earned a block took {took:?}, past its {deadline:?} deadline"
+    );
+}

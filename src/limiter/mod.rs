@@ -807,12 +807,19 @@ impl Limiter {
         let rules = self.inner.rules.load_full();
         let overrides = self.inner.overrides.load_full();
         let checks = checks(&rules, &overrides, targets)?;
-        let decisions = self.inner.decide(op, &checks).await?;
+        // One deadline for the whole request, the penalty box's blocks included: a denial that
+        // earns one must not wait a second deadline for the store to record it.
+        let deadline = self
+            .inner
+            .policy
+            .is_some()
+            .then(|| Deadline::after(self.inner.deadline));
+        let decisions = self.inner.decide(op, &checks, deadline).await?;
         self.inner.trace(targets, &decisions, started);
         if op == Op::Consume && as_request {
             self.inner.record(targets, &decisions);
             for (key, block) in self.inner.earned(targets, &decisions) {
-                let deadline = Deadline::after(self.inner.deadline);
+                let deadline = deadline.unwrap_or_else(|| Deadline::after(self.inner.deadline));
                 if deadline
                     .run(self.inner.penalise(&key, block))
                     .await
@@ -933,12 +940,18 @@ fn most_restrictive(decisions: Vec<Decision>) -> Result<Decision, Error> {
 impl Inner {
     /// Decide `checks`: a single-rule consume from a remembered denial or a leased block when
     /// this process can, else the store (one call per failure domain), else the outage policy.
-    async fn decide(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, Error> {
+    /// `deadline`: the request's, if it has one already (a store that can fail).
+    async fn decide(
+        &self,
+        op: Op,
+        checks: &[Check<'_>],
+        deadline: Option<Deadline>,
+    ) -> Result<Vec<Decision>, Error> {
         let Some(_) = &self.policy else {
             // A store that cannot fail: no deadline, no breaker.
             return Ok(self.store.apply(op, checks).await?);
         };
-        let deadline = Deadline::after(self.deadline);
+        let deadline = deadline.unwrap_or_else(|| Deadline::after(self.deadline));
         if let ([check], Op::Consume) = (checks, op) {
             if let Some(index) = self.rule_index(check.rule) {
                 if let Some(d) = self.remembered(check, self.clock.now_us()) {
