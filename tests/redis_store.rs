@@ -1014,3 +1014,89 @@ async fn a_two_counter_state_from_an_earlier_build_keeps_its_permits() {
     let old_fields = server.cmd_bytes(&[b"HEXISTS", &state, b"c"]).unwrap();
     assert_eq!(old_fields.as_int(), Some(0), "the old fields are gone");
 }
+
+/// A request over two cluster slots whose second master hangs: the first slot's permits are
+/// given back (after the deadline, in the background), and its breaker is not charged for the
+/// other master's failure, however many such requests time out at once.
+#[tokio::test]
+async fn a_hung_master_neither_keeps_nor_trips_another_slots_permits() {
+    let cluster = RedisCluster::start();
+    let store = test_store().cluster(&cluster.urls()).await.unwrap();
+    let per_account = rule(
+        "account",
+        Algorithm::FixedWindow,
+        100,
+        Duration::from_secs(60),
+        None,
+    );
+    let per_ip = rule(
+        "ip",
+        Algorithm::FixedWindow,
+        100,
+        Duration::from_secs(60),
+        None,
+    );
+    let node_of = |r: &Rule, k: &Key| cluster.node_for_slot(cluster.keyslot(&store.key_for(r, k)));
+    let account = Key::new("acct-hung-test");
+    let ip = (0..1000)
+        .map(|i| Key::new(format!("10.1.0.{i}")))
+        .find(|ip| node_of(&per_ip, ip) != node_of(&per_account, &account))
+        .unwrap();
+    let limiter = fleetlimit::Limiter::builder(store.clone())
+        .rule(per_account.clone())
+        .rule(per_ip.clone())
+        .on_store_error(fleetlimit::OnStoreError::fail_closed())
+        .deadline(Duration::from_millis(300))
+        .deny_cache(0)
+        .build()
+        .unwrap();
+    let targets = [("account", &account), ("ip", &ip)];
+    // Both slots' connections are up.
+    let d = limiter.apply_to(Op::Consume, &targets, 1).await.unwrap();
+    assert!(d.iter().all(|d| d.allowed && !d.degraded));
+    let hung = &cluster.nodes()[node_of(&per_ip, &ip)];
+    hung.pause();
+    let requests: Vec<_> = (0..10)
+        .map(|_| {
+            let (limiter, account, ip) = (limiter.clone(), account.clone(), ip.clone());
+            tokio::spawn(async move {
+                let targets = [("account", &account), ("ip", &ip)];
+                limiter.apply_to(Op::Consume, &targets, 1).await.unwrap()
+            })
+        })
+        .collect();
+    for r in requests {
+        assert!(r.await.unwrap().iter().all(|d| d.degraded));
+    }
+    assert_eq!(
+        limiter.stats().open_breakers,
+        1,
+        "only the hung master's breaker opens"
+    );
+    let left = || async {
+        let peek = store
+            .apply(
+                Op::Peek,
+                &[Check {
+                    rule: &per_account,
+                    key: &account,
+                    cost: 1,
+                }],
+            )
+            .await
+            .unwrap();
+        peek[0].remaining
+    };
+    for _ in 0..100 {
+        if left().await == 99 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        left().await,
+        99,
+        "every timed-out request's account permit is back"
+    );
+    hung.resume();
+}

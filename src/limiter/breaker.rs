@@ -190,6 +190,11 @@ impl Breakers {
     ) -> Option<T> {
         let domain = domain % self.breakers.len();
         let breaker = &self.breakers[domain];
+        if deadline.passed() {
+            // Another domain held the request to its deadline: that says nothing about this
+            // one, which is neither called nor charged a failure.
+            return None;
+        }
         let admission = breaker.admit(now());
         if admission == Admission::Skip {
             return None;

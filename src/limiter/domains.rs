@@ -110,11 +110,46 @@ impl Inner {
                 })
             })
             .collect();
-        if !refunds.is_empty() && !self.give_back(&refunds, deadline).await {
+        if refunds.is_empty() {
+            return;
+        }
+        if deadline.passed() {
+            // Another domain held the request to its deadline. Nothing has been sent, so the
+            // refund can go later with a budget of its own (a refund that may have landed is
+            // never sent again: it would give back twice).
+            self.compensate_later(&refunds);
+        } else if !self.give_back(&refunds, deadline).await {
             tracing::warn!(
                 "fleetlimit: could not give back permits after a denial on another slot; they stay taken until they expire"
             );
         }
+    }
+
+    /// [`give_back`](Inner::give_back) in the background, within a deadline of its own.
+    fn compensate_later(&self, refunds: &[Refund<'_>]) {
+        let owned: Vec<(crate::Rule, crate::Key, crate::Taken)> = refunds
+            .iter()
+            .map(|r| (r.rule.clone(), r.key.clone(), r.taken))
+            .collect();
+        let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        runtime.spawn(async move {
+            let refunds: Vec<Refund<'_>> = owned
+                .iter()
+                .map(|(rule, key, taken)| Refund {
+                    rule,
+                    key,
+                    taken: *taken,
+                })
+                .collect();
+            if !me.give_back(&refunds, Deadline::after(me.deadline)).await {
+                tracing::warn!(
+                    "fleetlimit: could not give back permits after another slot failed; they stay taken until they expire"
+                );
+            }
+        });
     }
 
     /// Refunds, one store call per failure domain; false if any could not be made.

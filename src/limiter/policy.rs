@@ -263,6 +263,11 @@ impl Deadline {
         }
     }
 
+    /// Whether the deadline has passed: a call started now could not be answered in time.
+    pub(crate) fn passed(&self) -> bool {
+        tokio::time::Instant::now() >= self.at
+    }
+
     /// Run `work` until the deadline; past it, a [`StoreError::Timeout`].
     pub(crate) async fn run<T>(
         self,
