@@ -570,7 +570,7 @@ async fn streamed_bodies_are_charged_by_the_bytes_read() {
 
 #[tokio::test]
 async fn a_scope_overrides_the_layers_missing_key_answer_and_matches_axum_routes() {
-    let limiter = limiter(vec![rule("accounts", 2), rule("users", 1)]);
+    let limiter = limiter(vec![rule("accounts", 2), rule("users", 1), rule("v1", 1)]);
     let layer = RateLimitLayer::builder(limiter)
         // The layer's key is the account; requests without one have no key at all (no peer
         // fallback: the extractor below gives nothing without the header, and these requests
@@ -583,6 +583,13 @@ async fn a_scope_overrides_the_layers_missing_key_answer_and_matches_axum_routes
                 .route(Method::PUT, "/v1/users/{id}")
                 .method(Method::PATCH)
                 .key(key::header("x-account")),
+        )
+        .scope(
+            "v1",
+            Scope::new()
+                .path("/v1/*")
+                .key(key::header("x-account"))
+                .on_missing_key(MissingKey::Skip),
         )
         .build()
         .unwrap();
@@ -626,6 +633,17 @@ async fn a_scope_overrides_the_layers_missing_key_answer_and_matches_axum_routes
     assert_eq!(
         call(Method::PATCH, "/v1/users/8", Some("b")).await,
         StatusCode::OK
+    );
+    // A prefix scope matches the route axum matched too: `/v1/*` limits account "c" inside
+    // the router nested at `/v1` (its URI there is `/health`).
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(call(Method::GET, "/v1/health", Some("c")).await);
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == StatusCode::OK).count(),
+        1,
+        "one per minute under /v1: {statuses:?}"
     );
 }
 

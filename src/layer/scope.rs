@@ -195,9 +195,13 @@ impl PathMatch {
         let path = parts.uri.path();
         match self {
             PathMatch::Exact(p) => path == p || matched_path(parts) == Some(p.as_str()),
-            PathMatch::Prefix(p) => path
-                .strip_prefix(p.as_str())
-                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/')),
+            PathMatch::Prefix(p) => {
+                let under = |path: &str| {
+                    path.strip_prefix(p.as_str())
+                        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+                };
+                under(path) || matched_path(parts).is_some_and(under)
+            }
             PathMatch::Pattern { source, segments } => {
                 matched_path(parts) == Some(source.as_str()) || matches_segments(segments, path)
             }
