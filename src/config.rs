@@ -274,7 +274,8 @@ impl ScopeConfig {
         }
         match self.key.as_deref() {
             None => {}
-            Some("peer") => scope = scope.key(crate::key::PeerIp::default()),
+            // The layer's peer address, with the proxies the layer trusts.
+            Some("peer") => scope = scope.key_by_peer(),
             Some(other) => match other.strip_prefix("header:") {
                 Some(name) => scope = scope.key(crate::key::HeaderKey::new(name)?),
                 None => {

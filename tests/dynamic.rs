@@ -404,6 +404,51 @@ scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "20
         app.clone().oneshot(req).await.unwrap().status()
     }
 
+    /// A rules file's `key = "peer"` is the client's address as the layer reads it: behind a
+    /// trusted proxy, each client its own bucket, not every client the proxy's.
+    #[tokio::test]
+    async fn a_peer_scope_believes_the_layers_proxies() {
+        use fleetlimit::key::{PeerIp, TrustedProxies};
+        let set = RuleSet::from_toml(FILE).unwrap();
+        let limiter = set
+            .rules
+            .iter()
+            .cloned()
+            .fold(Limiter::builder(MemoryStore::new()), |b, r| b.rule(r))
+            .build()
+            .unwrap();
+        let behind_one_proxy = PeerIp::default().trust(TrustedProxies::hops(1).unwrap());
+        let layer = set
+            .scope(RateLimitLayer::builder(limiter).peer_ip(behind_one_proxy))
+            .unwrap()
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/login", post(|| async { StatusCode::UNAUTHORIZED }))
+            .layer(layer);
+        let login = |client: &'static str| {
+            let mut req = Request::post("/login")
+                .header("x-forwarded-for", client)
+                .body(Body::empty())
+                .unwrap();
+            req.extensions_mut()
+                .insert(SocketAddr::from(([10, 0, 0, 1], 1)));
+            app.clone().oneshot(req)
+        };
+        for _ in 0..2 {
+            let status = login("203.0.113.1").await.unwrap().status();
+            assert_eq!(status, StatusCode::UNAUTHORIZED);
+        }
+        let status = login("203.0.113.1").await.unwrap().status();
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        let status = login("203.0.113.2").await.unwrap().status();
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "another client behind the proxy"
+        );
+    }
+
     /// A rules file's scopes build the layer they describe: failed logins per address, given
     /// back on success, other routes untouched.
     #[tokio::test]

@@ -125,6 +125,10 @@ impl Config {
                 continue; // this rule charges nothing for this request
             }
             let (key, missing) = match &scope.key {
+                Some(_) if scope.by_layer_peer => (
+                    self.peer.extract(parts),
+                    scope.missing_key.unwrap_or(MissingKey::Skip),
+                ),
                 Some(extractor) => (
                     extractor.extract(parts),
                     scope.missing_key.unwrap_or(MissingKey::Skip),

@@ -50,6 +50,9 @@ pub struct Scope {
     pub(crate) path: Option<PathMatch>,
     pub(crate) when: Option<Predicate>,
     pub(crate) key: Option<Arc<dyn KeyExtractor>>,
+    /// The key is the client's address as the layer's [`PeerIp`](crate::key::PeerIp) reads it
+    /// (see [`Scope::key_by_peer`]); `key` then holds a default `PeerIp` for the layer's checks.
+    pub(crate) by_layer_peer: bool,
     /// `None`: `Skip` for the scope's own key, the layer's setting for the layer's key.
     pub(crate) missing_key: Option<MissingKey>,
     pub(crate) cost: Option<CostFn>,
@@ -311,6 +314,18 @@ impl Scope {
     /// [`on_missing_key`](Scope::on_missing_key): by default the rule is skipped for it.
     pub fn key(mut self, extractor: impl KeyExtractor) -> Scope {
         self.key = Some(Arc::new(extractor));
+        self.by_layer_peer = false;
+        self
+    }
+
+    /// Key this rule by the client's address as the layer reads it: the layer's
+    /// [`peer_ip`](crate::layer::RateLimitLayerBuilder::peer_ip), with its trusted proxies and
+    /// IPv6 grouping, whatever key the layer's other rules use. A rules file's `key = "peer"`.
+    /// (`key(PeerIp::default())` trusts no proxy: behind a load balancer every client would
+    /// share its address.)
+    pub fn key_by_peer(mut self) -> Scope {
+        self.key = Some(Arc::new(crate::key::PeerIp::default()));
+        self.by_layer_peer = true;
         self
     }
 
