@@ -967,7 +967,9 @@ fn describe(q: &Quota) -> String {
 
 impl Reloader {
     async fn watch(self, path: std::path::PathBuf, mut running: RuleSet) {
-        let mut last = std::fs::read_to_string(&path).ok();
+        // No text yet: the file is read again at the first poll and compared with the rules in
+        // force, so an edit made while the server started is not taken as already applied.
+        let mut last: Option<String> = None;
         loop {
             tokio::time::sleep(RULES_POLL).await;
             let text = match tokio::fs::read_to_string(&path).await {
@@ -989,6 +991,7 @@ impl Reloader {
                     error = %e,
                     "rules file invalid; keeping the running rules"
                 ),
+                Ok(rules) if rules == running => {}
                 Ok(rules) => match self.put_in_force(&running, &rules) {
                     Ok(()) => running = rules,
                     Err(e) => tracing::warn!(

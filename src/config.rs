@@ -357,31 +357,32 @@ impl RuleSet {
     /// Read a rules file whose `[[rule]]` tables may carry a `scope` (see [`ScopeConfig`]).
     /// Every scope is checked too: a file that loads builds a layer.
     pub fn from_toml(text: &str) -> Result<RuleSet, ConfigError> {
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
+        let mut tables = rule_tables(text)?;
         let mut scopes = Vec::new();
-        if let Some(toml::Value::Array(rules)) = table.get_mut("rule") {
-            for fields in rules.iter_mut().filter_map(toml::Value::as_table_mut) {
-                let Some(scope) = fields.remove("scope") else {
-                    continue;
-                };
-                let name = fields
-                    .get("name")
-                    .and_then(toml::Value::as_str)
-                    .unwrap_or("")
-                    .to_owned();
-                let scope: ScopeConfig =
-                    scope
-                        .try_into()
-                        .map_err(|e: toml::de::Error| ConfigError::Invalid {
-                            setting: "rules file",
-                            reason: format!("rule {name:?}: scope: {}", e.message().trim_end()),
-                        })?;
-                scope.to_scope()?;
-                scopes.push((name, scope));
-            }
+        for (line, fields) in &mut tables {
+            let Some(scope) = fields.remove("scope") else {
+                continue;
+            };
+            let name = fields
+                .get("name")
+                .and_then(toml::Value::as_str)
+                .unwrap_or("")
+                .to_owned();
+            let scope: ScopeConfig =
+                scope
+                    .try_into()
+                    .map_err(|e: toml::de::Error| ConfigError::Invalid {
+                        setting: "rules file",
+                        reason: format!(
+                            "line {line}: rule {name:?}: scope: {}",
+                            e.message().trim_end()
+                        ),
+                    })?;
+            scope.to_scope().map_err(|e| at_line(*line, e))?;
+            scopes.push((name, scope));
         }
         Ok(RuleSet {
-            rules: rules_from_table(table)?,
+            rules: rules_from_tables(tables)?,
             scopes,
         })
     }
@@ -401,12 +402,32 @@ impl RuleSet {
 /// A TOML error in one line, for logs: where, then what.
 #[cfg(feature = "toml")]
 fn toml_error(text: &str, e: &toml::de::Error) -> ConfigError {
-    let line = e.span().map_or(0, |s| {
-        text[..s.start.min(text.len())].matches('\n').count() + 1
-    });
+    let line = e.span().map_or(0, |s| line_of(text, s.start));
     ConfigError::Invalid {
         setting: "rules file",
         reason: format!("line {line}: {}", e.message().trim_end()),
+    }
+}
+
+/// The line (from 1) of byte `at` of `text`.
+#[cfg(feature = "toml")]
+fn line_of(text: &str, at: usize) -> usize {
+    text.as_bytes()[..at.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+/// `e`, saying the line of the rule it is about.
+#[cfg(feature = "toml")]
+fn at_line(line: usize, e: ConfigError) -> ConfigError {
+    match e {
+        ConfigError::Invalid { setting, reason } => ConfigError::Invalid {
+            setting,
+            reason: format!("line {line}: {reason}"),
+        },
+        other => other,
     }
 }
 
@@ -415,36 +436,49 @@ fn toml_error(text: &str, e: &toml::de::Error) -> ConfigError {
 /// [`RuleSet::from_toml`].
 #[cfg(feature = "toml")]
 pub fn rules_from_toml(text: &str) -> Result<Vec<Rule>, ConfigError> {
-    let table: toml::Table = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
-    rules_from_table(table)
+    rules_from_tables(rule_tables(text)?)
 }
 
+/// The file's `[[rule]]` tables, each with the line it starts on: a rule's own errors (a limit
+/// of 0, an unknown field) name it, as syntax errors do.
 #[cfg(feature = "toml")]
-fn rules_from_table(table: toml::Table) -> Result<Vec<Rule>, ConfigError> {
+fn rule_tables(text: &str) -> Result<Vec<(usize, toml::Table)>, ConfigError> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct File {
         #[serde(default)]
-        rule: Vec<Rule>,
+        rule: Vec<toml::Spanned<toml::Table>>,
     }
-    let file: File = toml::Value::Table(table)
-        .try_into()
-        .map_err(|e: toml::de::Error| ConfigError::Invalid {
-            setting: "rules file",
-            reason: e.message().trim_end().to_owned(),
-        })?;
-    if file.rule.is_empty() {
+    let file: File = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
+    Ok(file
+        .rule
+        .into_iter()
+        .map(|table| (line_of(text, table.span().start), table.into_inner()))
+        .collect())
+}
+
+#[cfg(feature = "toml")]
+fn rules_from_tables(tables: Vec<(usize, toml::Table)>) -> Result<Vec<Rule>, ConfigError> {
+    if tables.is_empty() {
         return Err(ConfigError::NoRules);
     }
-    for (i, rule) in file.rule.iter().enumerate() {
-        if file.rule[..i].iter().any(|r| r.name() == rule.name()) {
+    let mut rules: Vec<Rule> = Vec::with_capacity(tables.len());
+    for (line, table) in tables {
+        let rule: Rule = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Invalid {
+                setting: "rules file",
+                reason: format!("line {line}: {}", e.message().trim_end()),
+            })?;
+        if rules.iter().any(|r| r.name() == rule.name()) {
             return Err(ConfigError::Invalid {
                 setting: "rules file",
-                reason: format!("two rules are named {:?}", rule.name()),
+                reason: format!("line {line}: two rules are named {:?}", rule.name()),
             });
         }
+        rules.push(rule);
     }
-    Ok(file.rule)
+    Ok(rules)
 }
 
 /// Rules as a rules file (TOML): what [`rules_from_toml`] reads back.
@@ -463,6 +497,38 @@ pub fn rules_to_toml(rules: &[Rule]) -> Result<String, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rule's own errors name the line of its table, as syntax errors name theirs.
+    #[cfg(feature = "toml")]
+    #[test]
+    fn errors_name_the_rules_line() {
+        let file = |second: &str| {
+            format!("[[rule]]\nname = \"a\"\nlimit = 1\nperiod = \"1s\"\n\n[[rule]]\n{second}\n")
+        };
+        for (second, says) in [
+            ("name = \"b\"\nlimit = 0\nperiod = \"1s\"", "limit"),
+            (
+                "name = \"b\"\nlimit = 1\nperiod = \"1s\"\ncolour = \"red\"",
+                "colour",
+            ),
+            ("name = \"a\"\nlimit = 1\nperiod = \"1s\"", "two rules"),
+            ("name = \"b\"\nlimit = 1\nperiod = \"soon\"", "period"),
+        ] {
+            let text = file(second);
+            for error in [
+                rules_from_toml(&text).unwrap_err().to_string(),
+                RuleSet::from_toml(&text).unwrap_err().to_string(),
+            ] {
+                assert!(error.contains("line 6") && error.contains(says), "{error}");
+            }
+        }
+        let scoped = file("name = \"b\"\nlimit = 1\nperiod = \"1s\"\nscope = { path = \"x\" }");
+        let error = RuleSet::from_toml(&scoped).unwrap_err().to_string();
+        assert!(
+            error.contains("line 6") && error.contains("start with /"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn periods_read_and_write_back() {
