@@ -1100,3 +1100,53 @@ async fn a_hung_master_neither_keeps_nor_trips_another_slots_permits() {
     );
     hung.resume();
 }
+
+/// A cluster with one master hung (stopped, its connections open) and another killed: the
+/// store reconnects to learn the slot map again, which takes longer than a decision's deadline
+/// with a hung node, and goes on in the background: keys on the healthy master are decided by
+/// the store again within seconds, at the default deadline.
+#[tokio::test]
+async fn a_reconnect_through_a_hung_master_goes_on_in_the_background() {
+    let mut cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .connect_timeout(Duration::from_millis(500))
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let rule = rule("api", Algorithm::Gcra, 1000, Duration::from_secs(1), None);
+    let on = |node: usize| {
+        (0..1000)
+            .map(|i| Key::new(format!("key-{i}")))
+            .find(|k| cluster.node_for_slot(cluster.keyslot(&store.key_for(&rule, k))) == node)
+            .unwrap()
+    };
+    let (hung, dead, healthy) = (0, 1, 2);
+    let (on_dead, on_healthy) = (on(dead), on(healthy));
+    let limiter = fleetlimit::Limiter::builder(store)
+        .rule(rule)
+        .on_store_error(fleetlimit::OnStoreError::FailOpen)
+        .build()
+        .unwrap();
+    assert!(!limiter.consume(&on_healthy, 1).await.unwrap().degraded);
+    cluster.nodes()[hung].pause();
+    cluster.kill_node(dead);
+    // The dead master's connection error makes the store connect again.
+    for _ in 0..5 {
+        limiter.consume(&on_dead, 1).await.unwrap();
+    }
+    let started = std::time::Instant::now();
+    let mut decided_by_store = false;
+    while started.elapsed() < Duration::from_secs(20) {
+        if !limiter.consume(&on_healthy, 1).await.unwrap().degraded {
+            decided_by_store = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cluster.nodes()[hung].resume();
+    assert!(
+        decided_by_store,
+        "a key on the healthy master still follows the outage policy after {:?}",
+        started.elapsed()
+    );
+}

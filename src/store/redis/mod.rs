@@ -13,13 +13,12 @@
 //! The scripts need Redis 5.0 or newer (script effects replication, which lets a script read
 //! `TIME` and then write); [`RedisStoreBuilder::connect`] checks the server's version.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, RedisError, Script};
-use tokio::sync::OnceCell;
 
 use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
 use crate::algorithm::us;
@@ -116,28 +115,108 @@ struct Inner {
 enum Conn {
     /// One multiplexed, pipelined connection that reconnects by itself.
     Single {
-        client: redis::Client,
-        manager: OnceCell<ConnectionManager>,
+        client: Box<redis::Client>,
+        conn: Arc<Connector<ConnectionManager>>,
     },
     /// A cluster connection, made again (with a fresh slot map) after it fails: a master that
     /// failed over lives at another address, which a new connection learns.
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
-        current: Mutex<Option<ClusterConnection>>,
-        connecting: tokio::sync::Mutex<()>,
+        conn: Arc<Connector<ClusterConnection>>,
     },
     /// A user's pool: one connection is taken out and shared (multiplexed) until it fails, so
     /// the hot path never pays a checkout.
     Pool {
         pool: deadpool_redis::Pool,
-        current: Mutex<Option<MultiplexedConnection>>,
+        conn: Arc<Connector<MultiplexedConnection>>,
     },
     /// The master Sentinel names: one multiplexed connection to it, found again (through the
     /// Sentinels) after it fails, so a failover is followed.
     Sentinel {
-        sentinels: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
-        current: Mutex<Option<MultiplexedConnection>>,
+        sentinels: Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>,
+        conn: Arc<Connector<MultiplexedConnection>>,
     },
+}
+
+/// A connection made in the background, one attempt at a time, each bounded by the connect
+/// timeout. Callers wait for it within their own deadline, and a caller that stops waiting
+/// stops nothing: a decision's deadline is tens of milliseconds, and connecting can take
+/// longer (a cluster with a hung node, TLS across a slow link). Were the attempt the caller's
+/// own, every caller would abandon it and none would ever connect.
+struct Connector<C> {
+    current: parking_lot::Mutex<Option<C>>,
+    /// The attempt in flight: its outcome is published when it ends.
+    attempt: parking_lot::Mutex<Option<Outcome<C>>>,
+}
+
+type Outcome<C> = tokio::sync::watch::Receiver<Option<Result<C, StoreError>>>;
+
+impl<C: Clone + Send + Sync + 'static> Connector<C> {
+    fn new() -> Arc<Connector<C>> {
+        Arc::new(Connector {
+            current: parking_lot::Mutex::new(None),
+            attempt: parking_lot::Mutex::new(None),
+        })
+    }
+
+    /// Forget the connection (it failed): the next caller connects again.
+    fn forget(&self) -> bool {
+        self.current.lock().take().is_some()
+    }
+
+    /// The connection, made by `connect` (within `limit`) if there is none and no attempt is
+    /// in flight; else the attempt's outcome.
+    async fn get<F>(
+        self: &Arc<Self>,
+        limit: Duration,
+        connect: impl FnOnce() -> F,
+    ) -> Result<C, StoreError>
+    where
+        F: std::future::Future<Output = Result<C, StoreError>> + Send + 'static,
+    {
+        if let Some(conn) = self.current.lock().clone() {
+            return Ok(conn);
+        }
+        let (mut outcome, run) = {
+            let mut attempt = self.attempt.lock();
+            match attempt.as_ref() {
+                Some(outcome) => (outcome.clone(), None),
+                None => {
+                    let (publish, outcome) = tokio::sync::watch::channel(None);
+                    *attempt = Some(outcome.clone());
+                    let me = self.clone();
+                    let work = connect();
+                    let run = async move {
+                        let result = tokio::time::timeout(limit, work)
+                            .await
+                            .unwrap_or(Err(StoreError::Timeout(limit)));
+                        if let Ok(conn) = &result {
+                            *me.current.lock() = Some(conn.clone());
+                        }
+                        *me.attempt.lock() = None;
+                        let _ = publish.send(Some(result));
+                    };
+                    (outcome, Some(run))
+                }
+            }
+        };
+        if let Some(run) = run {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(run);
+                }
+                Err(_) => run.await,
+            }
+        }
+        let ended = outcome
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| StoreError::Connection("the connection attempt was dropped".into()))?;
+        match &*ended {
+            Some(result) => result.clone(),
+            None => Err(StoreError::Connection("no connection".into())),
+        }
+    }
 }
 
 /// A connection ready for one call.
@@ -294,8 +373,8 @@ impl RedisStoreBuilder {
         self.validate()?;
         let client = self.client(url)?;
         let store = self.finish(Conn::Single {
-            client,
-            manager: OnceCell::new(),
+            client: Box::new(client),
+            conn: Connector::new(),
         });
         store.try_first_connection().await?;
         Ok(store)
@@ -327,8 +406,7 @@ impl RedisStoreBuilder {
         })?;
         let store = self.finish(Conn::Cluster {
             client: Box::new(client),
-            current: Mutex::new(None),
-            connecting: tokio::sync::Mutex::new(()),
+            conn: Connector::new(),
         });
         store.try_first_connection().await?;
         Ok(store)
@@ -359,8 +437,8 @@ impl RedisStoreBuilder {
             reason: e.to_string(),
         })?;
         let store = self.finish(Conn::Sentinel {
-            sentinels: tokio::sync::Mutex::new(client),
-            current: Mutex::new(None),
+            sentinels: Arc::new(tokio::sync::Mutex::new(client)),
+            conn: Connector::new(),
         });
         store.try_first_connection().await?;
         Ok(store)
@@ -372,7 +450,7 @@ impl RedisStoreBuilder {
         self.validate()?;
         Ok(self.finish(Conn::Pool {
             pool,
-            current: Mutex::new(None),
+            conn: Connector::new(),
         }))
     }
 }
@@ -452,12 +530,15 @@ const TOO_OLD: &str = "the server runs Redis";
 /// Refuse a server older than [`MIN_REDIS_VERSION`], with a clear error.
 /// A server that cannot answer `INFO` (a cluster node down) is not refused for that: only a
 /// version read and found too old is.
-async fn check_version(conn: &mut impl redis::aio::ConnectionLike) -> Result<(), StoreError> {
-    let Ok(info) = redis::cmd("INFO")
-        .arg("server")
-        .query_async::<redis::Value>(conn)
-        .await
-    else {
+async fn check_version(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    limit: Duration,
+) -> Result<(), StoreError> {
+    // Within `limit`: a hung node never answers, and is not refused for that either.
+    let mut cmd = redis::cmd("INFO");
+    cmd.arg("server");
+    let info = tokio::time::timeout(limit, cmd.query_async::<redis::Value>(conn));
+    let Ok(Ok(info)) = info.await else {
         return Ok(());
     };
     // A cluster answers one text per node: every node must be recent enough.
@@ -955,13 +1036,8 @@ impl Inner {
     }
 
     fn forget_cluster_connection<T>(&self, result: &redis::RedisResult<T>) {
-        if let Conn::Cluster { current, .. } = &self.conn {
-            if current
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take()
-                .is_some()
-            {
+        if let Conn::Cluster { conn, .. } = &self.conn {
+            if conn.forget() {
                 tracing::info!(
                     error = %result.as_ref().err().map_or(String::new(), |e| e.to_string()),
                     "fleetlimit: a cluster node stopped answering or a slot moved; reconnecting to learn the slot map again"
@@ -1003,89 +1079,72 @@ impl Inner {
         k
     }
 
-    /// A connection for one call, connecting first if needed (bounded by the connect timeout).
+    /// A connection for one call, connecting first if needed (in the background, each attempt
+    /// bounded by the connect timeout; see [`Connector`]).
     async fn connection(&self) -> Result<Ready, StoreError> {
         let limit = self.connect_timeout;
-        let within = |e: tokio::time::error::Elapsed| {
-            let _ = e;
-            StoreError::Timeout(limit)
-        };
         match &self.conn {
-            Conn::Single { client, manager } => {
-                let manager = tokio::time::timeout(
-                    limit,
-                    manager.get_or_try_init(|| async {
+            Conn::Single { client, conn } => {
+                let client = client.as_ref().clone();
+                let manager = conn
+                    .get(limit, || async move {
                         let config = ConnectionManagerConfig::new()
                             .set_connection_timeout(Some(limit))
                             .set_number_of_retries(2)
                             .set_max_delay(Duration::from_millis(500));
-                        let manager = ConnectionManager::new_with_config(client.clone(), config)
+                        let manager = ConnectionManager::new_with_config(client, config)
                             .await
                             .map_err(store_error)?;
-                        check_version(&mut manager.clone()).await?;
-                        Ok::<_, StoreError>(manager)
-                    }),
-                )
-                .await
-                .map_err(within)??;
-                Ok(Ready::Single(manager.clone()))
+                        check_version(&mut manager.clone(), limit).await?;
+                        Ok(manager)
+                    })
+                    .await?;
+                Ok(Ready::Single(manager))
             }
-            Conn::Cluster {
-                client,
-                current,
-                connecting,
-            } => {
-                if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-                    return Ok(Ready::Cluster(conn));
-                }
-                let conn = tokio::time::timeout(limit, async {
-                    // One caller connects at a time; the others find its connection.
-                    let _one = connecting.lock().await;
-                    if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-                        return Ok(conn);
-                    }
-                    let conn = client.get_async_connection().await.map_err(store_error)?;
-                    check_version(&mut conn.clone()).await?;
-                    *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
-                    Ok::<_, StoreError>(conn)
-                })
-                .await
-                .map_err(within)??;
+            Conn::Cluster { client, conn } => {
+                let client = client.clone();
+                let conn = conn
+                    .get(limit * 3, || async move {
+                        // redis-rs waits for every node, each up to the connect timeout (a hung
+                        // one takes all of it); then each master is asked its version, as long.
+                        let conn = client.get_async_connection().await.map_err(store_error)?;
+                        check_version(&mut conn.clone(), limit).await?;
+                        Ok(conn)
+                    })
+                    .await?;
                 Ok(Ready::Cluster(conn))
             }
-            Conn::Pool { pool, current } => {
-                if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-                    return Ok(Ready::Shared(conn));
-                }
-                let fresh = tokio::time::timeout(limit, pool.get())
-                    .await
-                    .map_err(within)?
-                    .map_err(|e| StoreError::Connection(e.to_string()))?;
-                let conn = deadpool_redis::Connection::take(fresh);
-                *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
+            Conn::Pool { pool, conn } => {
+                let pool = pool.clone();
+                let conn = conn
+                    .get(limit, || async move {
+                        let fresh = pool
+                            .get()
+                            .await
+                            .map_err(|e| StoreError::Connection(e.to_string()))?;
+                        Ok(deadpool_redis::Connection::take(fresh))
+                    })
+                    .await?;
                 Ok(Ready::Shared(conn))
             }
-            Conn::Sentinel { sentinels, current } => {
-                if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-                    return Ok(Ready::Shared(conn));
-                }
-                let conn = tokio::time::timeout(limit, async {
-                    // One caller asks the Sentinels at a time; the others find its answer.
-                    let mut sentinels = sentinels.lock().await;
-                    if let Some(conn) = current.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-                        return Ok(conn);
-                    }
-                    let master = sentinels.async_get_client().await.map_err(store_error)?;
-                    let mut conn = master
-                        .get_multiplexed_async_connection()
-                        .await
-                        .map_err(store_error)?;
-                    check_version(&mut conn).await?;
-                    *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
-                    Ok::<_, StoreError>(conn)
-                })
-                .await
-                .map_err(within)??;
+            Conn::Sentinel { sentinels, conn } => {
+                let sentinels = sentinels.clone();
+                let conn = conn
+                    .get(limit * 2, || async move {
+                        let master = sentinels
+                            .lock()
+                            .await
+                            .async_get_client()
+                            .await
+                            .map_err(store_error)?;
+                        let mut conn = master
+                            .get_multiplexed_async_connection()
+                            .await
+                            .map_err(store_error)?;
+                        check_version(&mut conn, limit).await?;
+                        Ok(conn)
+                    })
+                    .await?;
                 Ok(Ready::Shared(conn))
             }
         }
@@ -1097,8 +1156,8 @@ struct DiscardOnDrop<'a>(Option<&'a Conn>);
 
 impl Drop for DiscardOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(Conn::Pool { current, .. } | Conn::Sentinel { current, .. }) = self.0 {
-            *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        if let Some(Conn::Pool { conn, .. } | Conn::Sentinel { conn, .. }) = self.0 {
+            conn.forget();
         }
     }
 }
