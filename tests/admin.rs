@@ -302,7 +302,7 @@ async fn the_penalty_box_blocks_repeat_offenders_longer_each_time() {
 
 /// Through the layer on Redis, refusals the denial cache answers count towards the penalty box
 /// like the store's own: the third refusal blocks the client (a cached refusal is answered in
-/// the call, but one that earns a block waits for the store to record it).
+/// the call, but one that earns a block waits, within its deadline, for the store to record it).
 #[tokio::test]
 async fn refusals_answered_from_the_denial_cache_earn_the_penalty_too() {
     use axum::body::Body;
@@ -489,5 +489,17 @@ async fn a_block_earned_on_a_slow_store_keeps_the_requests_deadline() {
     assert!(
         took < deadline + Duration::from_millis(100),
         "the refusal that earned a block took {took:?}, past its {deadline:?} deadline"
+    );
+    // And it did earn one: the block reaches the store (across the slow link).
+    let mut listing = None;
+    for _ in 0..20 {
+        listing = limiter.inspect(&key).await.ok().and_then(|s| s.listing);
+        if listing.is_some() {
+            break;
+        }
+    }
+    assert!(
+        matches!(listing, Some(Listing::Block(_))),
+        "the penalty box blocked the key: {listing:?}"
     );
 }

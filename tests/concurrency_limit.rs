@@ -233,8 +233,8 @@ async fn an_acquisition_dropped_in_flight_gives_its_slot_back() {
         .build()
         .unwrap();
     let key = Key::new("tenant");
-    // The connection is up and the script loaded; the warm-up slot's release has landed.
-    assert!(matches!(limiter.acquire(&key).await, Acquired::Held(_)));
+    // The connection is up and the script loaded; the warm-up slot is seen under the key this
+    // test reads (so a check of 0 means free, not a wrong name), and its release has landed.
     let held = || {
         redis
             .cmd(&["ZCARD", "fleetlimit:{ktenant}:slots=in-flight"])
@@ -242,6 +242,10 @@ async fn an_acquisition_dropped_in_flight_gives_its_slot_back() {
             .as_int()
             .unwrap()
     };
+    let warm = limiter.acquire(&key).await;
+    assert!(matches!(warm, Acquired::Held(_)));
+    assert_eq!(held(), 1);
+    drop(warm);
     for _ in 0..100 {
         if held() == 0 {
             break;

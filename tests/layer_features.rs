@@ -586,46 +586,74 @@ async fn problem_details_and_custom_denials() {
 
 #[tokio::test]
 async fn hostile_input_never_panics_and_has_a_defined_outcome() {
-    let limiter = memory_limiter(vec![rule("r", 1_000)]);
     // Both headers read, so the hostile `Forwarded` cases are really parsed.
     let trusted = PeerIp::default()
         .trust(TrustedProxies::private_networks())
         .forwarded_header(fleetlimit::key::ForwardedHeader::Both);
-    let lenient = app(RateLimitLayer::builder(limiter)
-        .key(key::header("x-api-key"))
-        .peer_ip(trusted)
-        .build()
-        .unwrap());
     let non_utf8 = HeaderValue::from_bytes(&[0xff, 0xfe, b'k', 0x80]).unwrap();
     let huge = HeaderValue::from_str(&"k".repeat(100_000)).unwrap();
     let chain = HeaderValue::from_str(&vec!["1.2.3.4"; 20_000].join(", ")).unwrap();
     let garbage =
         HeaderValue::from_str("for=\"[::1, ;;;\"\"\", _hidden, unknown, 999.1.1.1").unwrap();
-    let cases = [
-        Req::get("/").raw_header("x-api-key", non_utf8.clone()),
-        Req::get("/").raw_header("x-api-key", huge.clone()),
-        Req::get("/")
+    let case = |i: usize| match i {
+        0 => Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("x-api-key", non_utf8.clone()),
+        1 => Req::get("/")
+            .peer([10, 1, 1, 1])
+            .raw_header("x-api-key", huge.clone()),
+        2 => Req::get("/")
             .peer([10, 1, 1, 1])
             .raw_header("x-forwarded-for", chain.clone()),
-        Req::get("/")
+        3 => Req::get("/")
             .peer([10, 1, 1, 1])
             .raw_header("forwarded", garbage.clone()),
-        Req::get("/")
+        4 => Req::get("/")
             .peer([10, 1, 1, 1])
             .raw_header("x-forwarded-for", non_utf8.clone()),
-        Req::get("/")
+        _ => Req::get("/")
             .peer([10, 1, 1, 1])
             .raw_header("forwarded", huge.clone()),
-    ];
-    for (i, req) in cases.into_iter().enumerate() {
+    };
+    // Each case on a limit of 1: the same hostile request twice is one client, counted (a
+    // request without a defined key would be refused as keyless, or counted elsewhere).
+    for i in 0..6 {
+        let limiter = memory_limiter(vec![rule("r", 1)]);
+        let strict = app(RateLimitLayer::builder(limiter)
+            .key(key::header("x-api-key"))
+            .peer_ip(trusted.clone())
+            .build()
+            .unwrap());
         let started = std::time::Instant::now();
-        let r = req.send(&lenient).await;
-        assert_eq!(r.status(), StatusCode::OK, "case {i}");
+        assert_eq!(
+            case(i).send(&strict).await.status(),
+            StatusCode::OK,
+            "case {i}"
+        );
         assert!(
             started.elapsed() < Duration::from_secs(1),
             "case {i} took {:?}",
             started.elapsed()
         );
+        assert_eq!(
+            case(i).send(&strict).await.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "case {i}: the same request again is the same client"
+        );
+        // An API key, however hostile, or a forwarding chain with a client to find, is that
+        // client's own bucket; a chain with none (garbage, or bytes no proxy writes) is the
+        // proxy's own address, as if there were no chain.
+        let proxy = Req::get("/")
+            .peer([10, 1, 1, 1])
+            .send(&strict)
+            .await
+            .status();
+        let expected = if matches!(i, 3..=5) {
+            StatusCode::TOO_MANY_REQUESTS
+        } else {
+            StatusCode::OK
+        };
+        assert_eq!(proxy, expected, "case {i}: the proxy's own bucket");
     }
     // Behind a trusted proxy, what the proxy appended decides: the client's own junk to the left
     // of it (20,000 hops here) never sends it to the proxy's bucket. A header the layer does not

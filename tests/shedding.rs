@@ -133,6 +133,10 @@ async fn critical_requests_get_through_an_overload_and_recovery_is_gradual() {
     // The overload ends; a trickle of normal requests: the level steps down one a second (the
     // first step's start is unseen: only the changes from then on are timed).
     let mut levels = vec![(Instant::now(), worker.level())];
+    assert!(
+        levels[0].1 >= 2,
+        "the overload ends at level 2 or more, so the steps down are seen: {levels:?}"
+    );
     let calm = Instant::now();
     while worker.level() > 0 {
         assert!(

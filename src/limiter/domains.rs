@@ -113,15 +113,37 @@ impl Inner {
         if refunds.is_empty() {
             return;
         }
-        if deadline.passed() {
-            // Another domain held the request to its deadline. Nothing has been sent, so the
-            // refund can go later with a budget of its own (a refund that may have landed is
-            // never sent again: it would give back twice).
-            self.compensate_later(&refunds);
-        } else if !self.give_back(&refunds, deadline).await {
-            tracing::warn!(
-                "fleetlimit: could not give back permits after a denial on another slot; they stay taken until they expire"
-            );
+        if self.policy.is_none() {
+            if !self.give_back(&refunds, deadline).await {
+                tracing::warn!("fleetlimit: could not give back permits after a denial");
+            }
+            return;
+        }
+        // Domain by domain within the deadline. What the deadline leaves unsent (another domain
+        // held the request to it) goes later with a budget of its own; a refund that was sent
+        // is never sent again, even if it failed: it may have landed, and would give back twice.
+        let checks: Vec<Check<'_>> = refunds.iter().map(Refund::check).collect();
+        let mut later: Vec<Refund<'_>> = Vec::new();
+        for members in self.domain_groups(checks.iter().map(std::slice::from_ref)) {
+            let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
+            if deadline.passed() {
+                later.extend(group);
+                continue;
+            }
+            let group_checks: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
+            let given = self.store.refund(&group);
+            if self
+                .call_store("refund", &group_checks, deadline, given)
+                .await
+                .is_none()
+            {
+                tracing::warn!(
+                    "fleetlimit: could not give back permits after a denial on another slot; they stay taken until they expire"
+                );
+            }
+        }
+        if !later.is_empty() {
+            self.compensate_later(&later);
         }
     }
 
@@ -154,14 +176,7 @@ impl Inner {
 
     /// Refunds, one store call per failure domain; false if any could not be made.
     pub(super) async fn give_back(&self, refunds: &[Refund<'_>], deadline: Deadline) -> bool {
-        let checks: Vec<Check<'_>> = refunds
-            .iter()
-            .map(|r| Check {
-                rule: r.rule,
-                key: r.key,
-                cost: r.taken.cost(),
-            })
-            .collect();
+        let checks: Vec<Check<'_>> = refunds.iter().map(Refund::check).collect();
         if self.policy.is_none() {
             return self.store.refund(refunds).await.is_ok();
         }

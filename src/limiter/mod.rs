@@ -819,14 +819,7 @@ impl Limiter {
         if op == Op::Consume && as_request {
             self.inner.record(targets, &decisions);
             for (key, block) in self.inner.earned(targets, &decisions) {
-                let deadline = deadline.unwrap_or_else(|| Deadline::after(self.inner.deadline));
-                if deadline
-                    .run(self.inner.penalise(&key, block))
-                    .await
-                    .is_err()
-                {
-                    tracing::warn!(key = %key, "fleetlimit: the penalty box could not block a key");
-                }
+                self.inner.penalise_within(key, block, deadline).await;
             }
         }
         Ok(decisions)
@@ -1092,16 +1085,51 @@ impl Inner {
         earned
     }
 
+    /// [`penalise`](Inner::penalise) with a deadline of its own, waited for within the
+    /// request's (`None`: a store that cannot fail, waited for whole). The request's deadline
+    /// may be nearly spent by its decision; the block is still recorded after the response.
+    /// If it cannot be, the penalty box forgets it, so that the key's next refusals count again.
+    async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) {
+        let Some(request) = request else {
+            self.penalise(&key, block).await;
+            return;
+        };
+        let record = {
+            let me = self.me.clone();
+            async move {
+                let Some(inner) = me.upgrade() else {
+                    return;
+                };
+                let budget = Deadline::after(inner.deadline);
+                let blocked = budget.run(inner.penalise(&key, block)).await;
+                if !matches!(blocked, Ok(true)) {
+                    if let Some(penalties) = &inner.penalties {
+                        penalties.not_blocked(&key);
+                    }
+                    tracing::warn!(key = %key, "fleetlimit: the penalty box could not block a key");
+                }
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let _ = request.run(runtime.spawn(record)).await;
+            }
+            Err(_) => record.await,
+        }
+    }
+
     /// Block `key` for `block`, unless an operator's entry says more: a deny-list or
-    /// allow-list entry, or a block that ends later, is never shortened or replaced.
-    async fn penalise(&self, key: &Key, block: Duration) {
+    /// allow-list entry, or a block that ends later, is never shortened or replaced. False
+    /// when the store could not say or set it.
+    async fn penalise(&self, key: &Key, block: Duration) -> bool {
         let stands = match self.store.listing(key).await {
             Ok(Some(Listing::Deny | Listing::Allow)) => true,
             Ok(Some(Listing::Block(left))) => left >= block,
-            _ => false,
+            Ok(_) => false,
+            Err(_) => return false,
         };
         if stands {
-            return;
+            return true;
         }
         match self
             .store
@@ -1117,12 +1145,12 @@ impl Inner {
                     self.listings.set(key, Some(Listing::Block(block)), now);
                 }
                 tracing::info!(key = %key, ?block, "fleetlimit: the penalty box blocked a key");
+                true
             }
-            Err(error) => tracing::warn!(
-                key = %key,
-                %error,
-                "fleetlimit: the penalty box could not block a key"
-            ),
+            Err(error) => {
+                tracing::debug!(key = %key, %error, "fleetlimit: setting a penalty block failed");
+                false
+            }
         }
     }
 

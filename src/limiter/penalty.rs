@@ -107,7 +107,7 @@ impl Penalties {
     /// Forget the records that can no longer lead to a block or a longer one: a key never
     /// blocked once its window has passed, a blocked one once it is forgiven. If that frees
     /// nothing (a spray of keys, each refused once), forget the eighth whose windows started
-    /// first, the blocked last: a full box must go on counting new keys, or a spray would switch it
+    /// first (a key blocked now last: its window starts when its block ends): a full box must go on counting new keys, or a spray would switch it
     /// off for a day.
     fn make_room(&self, records: &mut HashMap<Key, Record>, now: u64) {
         let c = &self.config;
@@ -123,7 +123,6 @@ impl Penalties {
         if records.len() < self.capacity {
             return;
         }
-        // A blocked key's window starts when its block ends: it sorts last.
         let mut starts: Vec<u64> = records.values().map(|r| r.window_start).collect();
         let eighth = (records.len() / 8).max(1);
         let (_, &mut cut, _) = starts.select_nth_unstable(eighth - 1);
@@ -133,6 +132,16 @@ impl Penalties {
             dropped += usize::from(drop);
             !drop
         });
+    }
+
+    /// The block [`denied`](Penalties::denied) imposed on `key` could not be set: forget it,
+    /// so that the key's refusals count again and its next block is not doubled for it.
+    pub(crate) fn not_blocked(&self, key: &Key) {
+        if let Some(r) = self.records.lock().get_mut(key) {
+            r.blocked_until = 0;
+            r.blocks = r.blocks.saturating_sub(1);
+            r.window_start = 0;
+        }
     }
 
     /// Count a denial of `key` at `now`; the block to impose, if this one earns it.

@@ -56,6 +56,18 @@ pub struct Refund<'a> {
     pub taken: Taken,
 }
 
+impl<'a> Refund<'a> {
+    /// The check this refund gives back to (its rule and key, at the cost taken): for routing
+    /// it to its failure domain.
+    pub(crate) fn check(&self) -> Check<'a> {
+        Check {
+            rule: self.rule,
+            key: self.key,
+            cost: self.taken.cost(),
+        }
+    }
+}
+
 /// A block of permits taken from the shared budget at once, to be spent in process memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

@@ -179,21 +179,25 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
         }
         let (mut outcome, run) = {
             let mut attempt = self.attempt.lock();
+            // Made while this caller waited for the lock: no second attempt.
+            if let Some(conn) = self.current.lock().clone() {
+                return Ok(conn);
+            }
             match attempt.as_ref() {
                 Some(outcome) => (outcome.clone(), None),
                 None => {
                     let (publish, outcome) = tokio::sync::watch::channel(None);
                     *attempt = Some(outcome.clone());
-                    let me = self.clone();
+                    let ends = EndsAttempt(self.clone(), outcome.clone());
                     let work = connect();
                     let run = async move {
                         let result = tokio::time::timeout(limit, work)
                             .await
                             .unwrap_or(Err(StoreError::Timeout(limit)));
                         if let Ok(conn) = &result {
-                            *me.current.lock() = Some(conn.clone());
+                            *ends.0.current.lock() = Some(conn.clone());
                         }
-                        *me.attempt.lock() = None;
+                        drop(ends);
                         let _ = publish.send(Some(result));
                     };
                     (outcome, Some(run))
@@ -215,6 +219,20 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
         match &*ended {
             Some(result) => result.clone(),
             None => Err(StoreError::Connection("no connection".into())),
+        }
+    }
+}
+
+/// Clears its attempt when the attempt ends, however it ends: completed, or its task dropped
+/// (its runtime shut down, a panic). Left in place, a dead attempt would answer every later
+/// caller, and the store would never connect again.
+struct EndsAttempt<C>(Arc<Connector<C>>, Outcome<C>);
+
+impl<C> Drop for EndsAttempt<C> {
+    fn drop(&mut self) {
+        let mut attempt = self.0.attempt.lock();
+        if attempt.as_ref().is_some_and(|a| a.same_channel(&self.1)) {
+            *attempt = None;
         }
     }
 }
@@ -1083,11 +1101,12 @@ impl Inner {
     /// bounded by the connect timeout; see [`Connector`]).
     async fn connection(&self) -> Result<Ready, StoreError> {
         let limit = self.connect_timeout;
+        // The clients are cloned only to start an attempt, never on a call's path.
         match &self.conn {
             Conn::Single { client, conn } => {
-                let client = client.as_ref().clone();
-                let manager = conn
-                    .get(limit, || async move {
+                let connect = || {
+                    let client = client.as_ref().clone();
+                    async move {
                         let config = ConnectionManagerConfig::new()
                             .set_connection_timeout(Some(limit))
                             .set_number_of_retries(2)
@@ -1097,40 +1116,41 @@ impl Inner {
                             .map_err(store_error)?;
                         check_version(&mut manager.clone(), limit).await?;
                         Ok(manager)
-                    })
-                    .await?;
-                Ok(Ready::Single(manager))
+                    }
+                };
+                Ok(Ready::Single(conn.get(limit, connect).await?))
             }
             Conn::Cluster { client, conn } => {
-                let client = client.clone();
-                let conn = conn
-                    .get(limit * 3, || async move {
-                        // redis-rs waits for every node, each up to the connect timeout (a hung
-                        // one takes all of it); then each master is asked its version, as long.
+                let connect = || {
+                    let client = client.as_ref().clone();
+                    async move {
                         let conn = client.get_async_connection().await.map_err(store_error)?;
                         check_version(&mut conn.clone(), limit).await?;
                         Ok(conn)
-                    })
-                    .await?;
-                Ok(Ready::Cluster(conn))
+                    }
+                };
+                // redis-rs waits for every node, each up to the connect timeout (a hung one
+                // takes all of it); then each master is asked its version, as long again.
+                let attempt = limit.saturating_mul(3);
+                Ok(Ready::Cluster(conn.get(attempt, connect).await?))
             }
             Conn::Pool { pool, conn } => {
-                let pool = pool.clone();
-                let conn = conn
-                    .get(limit, || async move {
+                let connect = || {
+                    let pool = pool.clone();
+                    async move {
                         let fresh = pool
                             .get()
                             .await
                             .map_err(|e| StoreError::Connection(e.to_string()))?;
                         Ok(deadpool_redis::Connection::take(fresh))
-                    })
-                    .await?;
-                Ok(Ready::Shared(conn))
+                    }
+                };
+                Ok(Ready::Shared(conn.get(limit, connect).await?))
             }
             Conn::Sentinel { sentinels, conn } => {
-                let sentinels = sentinels.clone();
-                let conn = conn
-                    .get(limit * 2, || async move {
+                let connect = || {
+                    let sentinels = sentinels.clone();
+                    async move {
                         let master = sentinels
                             .lock()
                             .await
@@ -1143,9 +1163,11 @@ impl Inner {
                             .map_err(store_error)?;
                         check_version(&mut conn, limit).await?;
                         Ok(conn)
-                    })
-                    .await?;
-                Ok(Ready::Shared(conn))
+                    }
+                };
+                // The Sentinels, then the master they name.
+                let attempt = limit.saturating_mul(2);
+                Ok(Ready::Shared(conn.get(attempt, connect).await?))
             }
         }
     }
@@ -1387,5 +1409,66 @@ impl Store for RedisStore {
             }
             self.inner.invoke(op, checks).await
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    }
+
+    /// An attempt whose task dies with its runtime (a store shared across runtimes, a runtime
+    /// per call) is cleared: the next caller connects, rather than being handed the dead
+    /// attempt forever.
+    #[test]
+    fn an_attempt_dropped_with_its_runtime_is_made_again() {
+        let connector: Arc<Connector<u32>> = Connector::new();
+        let first = runtime();
+        let waited = first.block_on(async {
+            let never = || std::future::pending::<Result<u32, StoreError>>();
+            tokio::time::timeout(
+                Duration::from_millis(20),
+                connector.get(Duration::from_secs(60), never),
+            )
+            .await
+        });
+        assert!(waited.is_err(), "the attempt is still in flight");
+        drop(first);
+        let made = runtime().block_on(async {
+            let ready = || async { Ok::<u32, StoreError>(7) };
+            connector.get(Duration::from_secs(1), ready).await
+        });
+        assert_eq!(made.ok(), Some(7));
+    }
+
+    /// Callers that give up waiting stop nothing: the connection is made, and found.
+    #[test]
+    fn a_slow_attempt_outlives_its_callers() {
+        let connector: Arc<Connector<u32>> = Connector::new();
+        runtime().block_on(async {
+            let slow = || async {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Ok::<u32, StoreError>(3)
+            };
+            let gave_up = tokio::time::timeout(
+                Duration::from_millis(10),
+                connector.get(Duration::from_secs(1), slow),
+            )
+            .await;
+            assert!(gave_up.is_err());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let unused = || async { Err::<u32, StoreError>(StoreError::Connection("no".into())) };
+            assert_eq!(
+                connector.get(Duration::from_secs(1), unused).await.ok(),
+                Some(3)
+            );
+        });
     }
 }
