@@ -126,3 +126,36 @@ async fn a_malformed_address_is_a_clear_400() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(body["error"], "unknown_rule");
 }
+
+/// `/ips/{addr}` names the key the rate-limit layer makes for a client at that address, by
+/// its default `PeerIp` (an IPv6 client's /64): counted through the layer, read through the
+/// admin router, from any address of the same /64.
+#[tokio::test]
+async fn an_address_names_the_key_the_layer_counts() {
+    use axum::extract::connect_info::MockConnectInfo;
+    use axum::routing::get;
+    use fleetlimit::RateLimitLayer;
+    use std::net::SocketAddr;
+
+    let limiter = limiter();
+    let admin = admin::router(limiter.clone());
+    let client: SocketAddr = "[2001:db8:0:7:1:2:3:4]:5000".parse().unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(RateLimitLayer::new(limiter.clone()))
+        .layer(MockConnectInfo(client));
+    for _ in 0..3 {
+        let req = Request::get("/").body(Body::empty()).unwrap();
+        assert_eq!(
+            app.clone().oneshot(req).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    for addr in ["2001:db8:0:7:1:2:3:4", "2001:db8:0:7:ffff::1"] {
+        let (status, inspected) = call(&admin, "GET", &format!("/ips/{addr}")).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(remaining(&inspected), 7, "{addr}: {inspected}");
+    }
+    let (_, elsewhere) = call(&admin, "GET", "/ips/2001:db8:0:8::1").await;
+    assert_eq!(remaining(&elsewhere), 10, "another /64");
+}
