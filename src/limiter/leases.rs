@@ -37,6 +37,9 @@ struct Block {
     seen: Decision,
     /// When the shared state is full again (µs, the limiter's clock), for `reset_after`.
     reset_at: u64,
+    /// The limiter's quotas when it was leased ([`Leases::generation`]): after a change, its
+    /// permits are not spent, since its validity was cut to the old quota's window.
+    generation: u64,
 }
 
 impl Block {
@@ -47,12 +50,13 @@ impl Block {
             taken: None,
             seen: Decision::admit(0, 0, Duration::ZERO),
             reset_at: 0,
+            generation: 0,
         }
     }
 
-    /// Spend `cost` permits at `now`; `None` means refill.
-    fn spend(&self, cost: u64, now: u64) -> Option<Decision> {
-        if now >= self.deadline {
+    /// Spend `cost` permits at `now`, under the quotas of `generation`; `None` means refill.
+    fn spend(&self, cost: u64, now: u64, generation: u64) -> Option<Decision> {
+        if now >= self.deadline || generation != self.generation {
             return None;
         }
         let mut left = self.permits.load(Ordering::Acquire);
@@ -121,6 +125,8 @@ pub(crate) struct Leases {
     candidates: Mutex<HashMap<SlotKey, RateMeter>>,
     sweeper: AtomicBool,
     lease_calls: AtomicU64,
+    /// Counts the limiter's quota changes ([`Leases::quotas_changed`]).
+    generation: AtomicU64,
 }
 
 impl Leases {
@@ -131,6 +137,7 @@ impl Leases {
             candidates: Mutex::new(HashMap::new()),
             sweeper: AtomicBool::new(false),
             lease_calls: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -142,6 +149,18 @@ impl Leases {
     /// How rule `index` is leased, if it is.
     pub(crate) fn config(&self, index: usize) -> Option<LeaseConfig> {
         self.configs.get(index).copied().flatten()
+    }
+
+    /// The limiter's quotas changed: every block leased before is spent no more (its validity
+    /// and the store's count follow the old quota: a block leased near the end of a 2 s window
+    /// and spent into a new 1 s one would pass both limits). The next request refills, and the
+    /// old block's permits go back.
+    pub(crate) fn quotas_changed(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     pub(crate) fn lease_calls(&self) -> u64 {
@@ -198,6 +217,7 @@ impl Inner {
         let now = self.clock.now_us();
         let key: SlotKey = (index, check.key.clone());
         let leases = &self.leases;
+        let generation = leases.generation();
         let slot = match leases.slots.load().get(&key).cloned() {
             Some(slot) => slot,
             None if leases.slots.load().len() < MAX_LEASED_KEYS
@@ -209,7 +229,7 @@ impl Inner {
         };
         slot.last_used.store(now, Ordering::Relaxed);
         let rate = slot.rate.tick(now);
-        if let Some(d) = slot.block.load().spend(check.cost, now) {
+        if let Some(d) = slot.block.load().spend(check.cost, now, generation) {
             return Ok(Some(d));
         }
         if self.listings.is_listed(check.key, now) {
@@ -236,7 +256,8 @@ impl Inner {
         self.leases.config(index)?;
         let slots = self.leases.slots.load();
         let slot = slots.get(&(index, check.key.clone()))?;
-        let decision = slot.block.load().spend(check.cost, now)?;
+        let generation = self.leases.generation();
+        let decision = slot.block.load().spend(check.cost, now, generation)?;
         slot.last_used.store(now, Ordering::Relaxed);
         let _rate = slot.rate.tick(now);
         Some(decision)
@@ -273,13 +294,22 @@ impl Inner {
         rate: f64,
         deadline: Deadline,
     ) -> Result<Decision, Error> {
-        let Ok(_one_at_a_time) = deadline.run(slot.refill.lock()).await else {
-            // Waited out the deadline behind another refill: the store did not answer in time.
-            return Ok(self.policy_decision(check));
+        // Queued behind other refills (each a store call) for half the deadline: the store
+        // decides this one directly, side by side, with the other half. Waiting it all out
+        // would leave the request to the outage policy with the store answering every call.
+        let Ok(one_at_a_time) = deadline.halfway().run(slot.refill.lock()).await else {
+            return self.decide_direct(check, deadline).await;
         };
         let started = self.clock.now_us();
+        // Read before the rules: a block leased under quotas replaced meanwhile is stamped
+        // with the old generation, and never spent.
+        let generation = self.leases.generation();
+        if self.rule_index(check.rule).is_none() {
+            drop(one_at_a_time);
+            return self.decide_direct(check, deadline).await;
+        }
         // Someone may have refilled while we waited, or learnt that the key is refused.
-        if let Some(d) = slot.block.load().spend(check.cost, started) {
+        if let Some(d) = slot.block.load().spend(check.cost, started, generation) {
             return Ok(d);
         }
         if let Some(d) = self.remembered(check, started) {
@@ -329,6 +359,7 @@ impl Inner {
             taken: Some(lease.taken),
             seen: lease.state,
             reset_at: started + lease.state.reset_after.as_micros() as u64,
+            generation,
         };
         if lease.permits >= check.cost {
             let fresh = block(lease.permits - check.cost);
@@ -338,9 +369,11 @@ impl Inner {
             return Ok(decision);
         }
         // Not enough for this request: keep what was granted for smaller ones, and let the
-        // store decide this one directly, within the same deadline.
+        // store decide this one directly, within the same deadline, without holding up the
+        // next refill.
         let old = slot.block.swap(Arc::new(block(lease.permits)));
         self.give_back_later(check, &old);
+        drop(one_at_a_time);
         self.decide_direct(check, deadline).await
     }
 
@@ -566,6 +599,47 @@ mod tests {
         );
     }
 
+    /// A block leased near the end of a 2 s window, then the quota changed to 1 s windows: the
+    /// store moves the count into the new window and starts the next one afresh, so the old
+    /// block's permits, spent into that next window, would pass both limits. They are not
+    /// spent after the change.
+    #[tokio::test(start_paused = true)]
+    async fn a_block_leased_before_a_quota_change_is_not_spent_after_it() {
+        let clock = ManualClock::new(T0 + 900_000);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let quota = |period_s| {
+            crate::Quota::new(1000, Duration::from_secs(period_s))
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap()
+        };
+        let leased = Limiter::builder(store)
+            .rule(Rule::new("hot", quota(2)).unwrap())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", LeaseConfig::fixed(125))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let key = Key::new("k");
+        let d = leased.consume(&key, 1).await.unwrap();
+        assert_eq!(d.source, Source::Lease, "a block of 125, valid to 1.15 s");
+        clock.set(T0 + 950_000);
+        leased.set_quota("hot", quota(1)).unwrap();
+        // Any decision under the new quota moves the count into its window, [0 s, 1 s).
+        leased.peek(&key).await.unwrap();
+        clock.set(T0 + 1_050_000);
+        let mut admitted = 0;
+        for _ in 0..1200 {
+            let d = leased.consume(&key, 1).await.unwrap();
+            assert!(!d.degraded);
+            admitted += u64::from(d.allowed);
+        }
+        assert!(
+            admitted <= 1000,
+            "{admitted} admitted in the window [1 s, 2 s) of a quota of 1000 per second"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn quiet_keys_and_expired_blocks_give_their_permits_back() {
         let (leased, plain, clock) = fleet(LeaseConfig::fixed(10));
@@ -602,6 +676,138 @@ mod tests {
         assert!(decisions.iter().all(|d| d.as_ref().unwrap().allowed));
         assert_eq!(leased.stats().lease_calls, 1, "one block served all twelve");
         assert_eq!(plain.peek(&key).await.unwrap().remaining, 88);
+    }
+
+    /// The memory store across a link that takes `delay` per call.
+    struct Slow {
+        store: MemoryStore,
+        delay: Duration,
+    }
+
+    impl crate::store::sealed::Sealed for Slow {}
+
+    impl crate::store::Store for Slow {
+        fn apply<'a>(
+            &'a self,
+            op: Op,
+            checks: &'a [Check<'a>],
+        ) -> crate::store::BoxFuture<'a, Result<Vec<Decision>, crate::StoreError>> {
+            Box::pin(async move {
+                tokio::time::sleep(self.delay).await;
+                self.store.apply(op, checks).await
+            })
+        }
+        fn lease<'a>(
+            &'a self,
+            check: Check<'a>,
+            max_validity: Duration,
+        ) -> crate::store::BoxFuture<'a, Result<crate::store::Lease, crate::StoreError>> {
+            Box::pin(async move {
+                tokio::time::sleep(self.delay).await;
+                self.store.lease(check, max_validity).await
+            })
+        }
+        fn refund<'a>(
+            &'a self,
+            refunds: &'a [Refund<'a>],
+        ) -> crate::store::BoxFuture<'a, Result<Vec<Decision>, crate::StoreError>> {
+            Box::pin(async move {
+                tokio::time::sleep(self.delay).await;
+                self.store.refund(refunds).await
+            })
+        }
+        fn pause<'a>(
+            &'a self,
+            rule: &'a Rule,
+            key: &'a Key,
+            pause: Duration,
+        ) -> crate::store::BoxFuture<'a, Result<(), crate::StoreError>> {
+            self.store.pause(rule, key, pause)
+        }
+        fn paused_for<'a>(
+            &'a self,
+            rule: &'a Rule,
+            key: &'a Key,
+        ) -> crate::store::BoxFuture<'a, Result<Option<Duration>, crate::StoreError>> {
+            self.store.paused_for(rule, key)
+        }
+        fn set_listing<'a>(
+            &'a self,
+            key: &'a Key,
+            listing: Option<crate::store::Listing>,
+        ) -> crate::store::BoxFuture<'a, Result<(), crate::StoreError>> {
+            self.store.set_listing(key, listing)
+        }
+        fn listing<'a>(
+            &'a self,
+            key: &'a Key,
+        ) -> crate::store::BoxFuture<'a, Result<Option<crate::store::Listing>, crate::StoreError>>
+        {
+            self.store.listing(key)
+        }
+        fn reset<'a>(
+            &'a self,
+            rule: &'a Rule,
+            key: &'a Key,
+        ) -> crate::store::BoxFuture<'a, Result<(), crate::StoreError>> {
+            self.store.reset(rule, key)
+        }
+        fn slots<'a>(
+            &'a self,
+            op: crate::store::SlotOp,
+            name: &'a str,
+            key: &'a Key,
+            slot: u64,
+            limit: u64,
+            ttl: Duration,
+        ) -> crate::store::BoxFuture<'a, Result<(bool, u64), crate::StoreError>> {
+            self.store.slots(op, name, key, slot, limit, ttl)
+        }
+    }
+
+    /// A spent leased key, a store 2 ms away, and 200 requests at once of costs 1 to 40 (the
+    /// denial cache answers only costs it has seen): requests queued behind refills, each a
+    /// store call, are decided by the store side by side once half their deadline has gone,
+    /// never by the outage policy (which, failing open, would admit them on a spent key).
+    #[tokio::test(start_paused = true)]
+    async fn requests_queued_behind_refills_are_decided_by_the_store() {
+        let clock = ManualClock::new(T0);
+        let store = Slow {
+            store: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
+            delay: Duration::from_millis(2),
+        };
+        let rule = Rule::new(
+            "hot",
+            crate::Quota::per_minute(100)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let leased = Limiter::builder(store)
+            .rule(rule)
+            .on_store_error(OnStoreError::FailOpen)
+            .lease("hot", LeaseConfig::fixed(12))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let key = Key::new("k");
+        let mut admitted = 0;
+        while admitted < 100 {
+            let d = leased.consume(&key, 1).await.unwrap();
+            assert!(d.allowed && !d.degraded);
+            admitted += 1;
+        }
+        let requests: Vec<_> = (0..200u64)
+            .map(|i| {
+                let (leased, key) = (leased.clone(), key.clone());
+                tokio::spawn(async move { leased.consume(&key, 1 + i % 40).await.unwrap() })
+            })
+            .collect();
+        for r in requests {
+            let d = r.await.unwrap();
+            assert!(!d.allowed && !d.degraded, "{d:?}");
+        }
     }
 
     /// Runs futures concurrently on the current task, in order.

@@ -291,6 +291,8 @@ impl Limiter {
             policy.set_local_rules(local);
         }
         inner.rules.store(Arc::new(rules));
+        // After the rules: a refill that sees the new generation sees the new rules too.
+        inner.leases.quotas_changed();
         if let Some(denials) = &inner.denials {
             denials.clear();
         }

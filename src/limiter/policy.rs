@@ -263,6 +263,15 @@ impl Deadline {
         }
     }
 
+    /// Half of what is left of this deadline, from now.
+    pub(crate) fn halfway(&self) -> Deadline {
+        let now = tokio::time::Instant::now();
+        Deadline {
+            at: now + self.at.saturating_duration_since(now) / 2,
+            budget: self.budget,
+        }
+    }
+
     /// Whether the deadline has passed: a call started now could not be answered in time.
     pub(crate) fn passed(&self) -> bool {
         tokio::time::Instant::now() >= self.at
