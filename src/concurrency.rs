@@ -676,10 +676,10 @@ where
                 }
                 Acquired::Unavailable { retry_after } => {
                     let mut r = crate::layer::unavailable(grpc, StatusCode::SERVICE_UNAVAILABLE);
-                    if let Ok(v) = HeaderValue::from_str(&retry_after.as_secs().max(1).to_string())
-                    {
-                        r.headers_mut().insert(http::header::RETRY_AFTER, v);
-                    }
+                    // Whole seconds, rounded up: never earlier than the wait.
+                    let secs = crate::algorithm::ceil_secs(retry_after).max(1);
+                    r.headers_mut()
+                        .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
                     return Ok(r.map(ResponseBody::full));
                 }
             };

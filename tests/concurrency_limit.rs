@@ -263,3 +263,21 @@ async fn an_acquisition_dropped_in_flight_gives_its_slot_back() {
         .await
         .expect("the dropped acquisition's slot is still held");
 }
+
+/// Failing closed while Redis is away, the 503's `Retry-After` is the policy's wait in whole
+/// seconds, rounded up (1.5 s is 2, never the earlier 1).
+#[tokio::test]
+async fn fail_closed_retry_after_rounds_up() {
+    let mut redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    redis.kill();
+    let limiter = ConcurrencyLimiter::builder(store, "in-flight", 1)
+        .on_store_error(OnStoreError::FailClosed {
+            retry_after: Duration::from_millis(1500),
+        })
+        .build()
+        .unwrap();
+    let (status, headers) = send(app(limiter, Arc::new(Handlers::default()))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers["retry-after"], "2");
+}

@@ -359,3 +359,42 @@ async fn a_get_with_the_grpc_content_type_is_refused_as_http() {
     assert_eq!(grpc.status(), StatusCode::OK, "a gRPC call's denial");
     assert_eq!(header(&grpc, "grpc-status").as_deref(), Some("8"));
 }
+
+/// An inner service that fails with an `Err` (a hyper or tonic service, a timeout inside the
+/// layer) failed on its own: `refund_if(|s| s.is_server_error())` gives its permit back, and
+/// the error goes out as it came.
+#[tokio::test]
+async fn an_inner_error_is_refunded_as_a_server_error() {
+    use tower::Layer;
+    let clock = ManualClock::default();
+    let layer = RateLimitLayer::builder(limiter(&clock, Quota::per_minute(1).build().unwrap()))
+        .key(key::header("x-api-key"))
+        .scope(
+            "test",
+            fleetlimit::Scope::new().refund_if(|s| s.is_server_error()),
+        )
+        .build()
+        .unwrap();
+    let failing = layer.layer(tower::service_fn(|_: Request<Body>| async {
+        Err::<axum::response::Response, _>(std::io::Error::other("down"))
+    }));
+    let call = || {
+        let req = Request::get("/")
+            .header("x-api-key", "k")
+            .body(Body::empty())
+            .unwrap();
+        failing.clone().oneshot(req)
+    };
+    for attempt in 0..3 {
+        let outcome = call().await;
+        assert_eq!(
+            outcome.err().map(|e| e.to_string()).as_deref(),
+            Some("down"),
+            "attempt {attempt}: admitted, the error as it came"
+        );
+        // The refund runs beside the error: let it land.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+}

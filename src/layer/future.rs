@@ -195,7 +195,15 @@ where
                     }
                 }
                 StateProj::Calling { future } => {
-                    let mut response = ready!(future.poll(cx))?;
+                    let mut response = match ready!(future.poll(cx)) {
+                        Ok(response) => response,
+                        Err(error) => {
+                            if let Some(verdict) = this.verdict.as_mut() {
+                                verdict.on_error();
+                            }
+                            return Poll::Ready(Err(error));
+                        }
+                    };
                     let Some(verdict) = this.verdict.as_mut() else {
                         return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                     };

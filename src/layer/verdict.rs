@@ -184,6 +184,27 @@ impl Verdict {
     /// a layer inside refused the request), the rate-limit headers counting what is given back
     /// and merged with those of layers inside, and the outcome for outer middleware. The
     /// refund, if any, is to run before the response is returned.
+    /// The inner service failed (an `Err`, not a response): what its rules give back for a
+    /// server error (`refund_if`), refunded in the background, since the error goes out as it
+    /// came. Such a failure is the service's own, which `refund_if(|s| s.is_server_error())`
+    /// is meant not to count.
+    pub(crate) fn on_error(&mut self) {
+        let failed = Response::builder()
+            .status(StatusCode::INTERNAL_SERVER_ERROR)
+            .body(())
+            .unwrap_or_default();
+        if let Some(refund) = self.refund(false, &failed) {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(refund);
+                }
+                Err(_) => tracing::warn!(
+                    "fleetlimit: no runtime to give back an inner service error's permits"
+                ),
+            }
+        }
+    }
+
     pub(crate) fn on_response<B>(
         &mut self,
         response: &mut Response<B>,

@@ -369,12 +369,14 @@ impl Inner {
             return Ok(decision);
         }
         // Not enough for this request: keep what was granted for smaller ones, and let the
-        // store decide this one directly, within the same deadline, without holding up the
-        // next refill.
+        // store decide this one directly, within the same deadline. Still holding the refill:
+        // a refused key is remembered before the requests queued behind it look (released
+        // first, each would lease again, for nothing).
         let old = slot.block.swap(Arc::new(block(lease.permits)));
         self.give_back_later(check, &old);
+        let decision = self.decide_direct(check, deadline).await;
         drop(one_at_a_time);
-        self.decide_direct(check, deadline).await
+        decision
     }
 
     /// One store decision for one check, or the policy's when the store cannot answer in time.
