@@ -697,3 +697,53 @@ async fn the_longest_durations_never_overflow() {
         "open, for as long as it can be"
     );
 }
+
+/// Two nested layers: the outer on an in-process limiter, the inner on a Redis that is away
+/// (failing open). The inner layer's outage decision counted nothing, so it must not hide the
+/// outer layer's headers, which describe what was counted.
+#[tokio::test]
+async fn an_inner_layers_outage_decision_never_hides_the_outer_layers_headers() {
+    use tower::ServiceExt;
+    let mut server = RedisServer::start();
+    let inner_limiter = limiter(&server.url(), OnStoreError::FailOpen, 5).await;
+    server.kill();
+    let outer_limiter = Limiter::builder(fleetlimit::MemoryStore::new())
+        .rule(
+            fleetlimit::Rule::new("outer", fleetlimit::Quota::per_minute(100).build().unwrap())
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(
+            fleetlimit::RateLimitLayer::builder(inner_limiter)
+                .key(fleetlimit::key::global())
+                .build()
+                .unwrap(),
+        )
+        .layer(
+            fleetlimit::RateLimitLayer::builder(outer_limiter)
+                .key(fleetlimit::key::global())
+                .build()
+                .unwrap(),
+        );
+    let response = app
+        .oneshot(
+            http::Request::get("/")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), http::StatusCode::OK);
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    assert_eq!(header("ratelimit-limit").as_deref(), Some("100"));
+    assert_eq!(header("ratelimit-remaining").as_deref(), Some("99"));
+}

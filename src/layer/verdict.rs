@@ -468,12 +468,20 @@ fn governing(decisions: &[Decision]) -> Decision {
 /// This layer's outcome together with another layer's: the more restrictive decision; shadow
 /// mode's mark if either let a denial through.
 fn merge(ours: RateLimitInfo, other: Option<RateLimitInfo>) -> RateLimitInfo {
-    match other {
-        None => ours,
-        Some(other) => RateLimitInfo {
-            decision: ours.decision.more_restrictive(other.decision),
-            would_deny: ours.would_deny || other.would_deny,
-        },
+    let Some(other) = other else {
+        return ours;
+    };
+    // An outage policy's decision counted nothing: its numbers describe nothing, and ranked as
+    // the most restrictive they would hide the other layer's, which were counted.
+    let by_policy = |info: &RateLimitInfo| info.decision.source == Source::Policy;
+    let decision = match (by_policy(&ours), by_policy(&other)) {
+        (true, false) => other.decision,
+        (false, true) => ours.decision,
+        _ => ours.decision.more_restrictive(other.decision),
+    };
+    RateLimitInfo {
+        decision,
+        would_deny: ours.would_deny || other.would_deny,
     }
 }
 
