@@ -747,3 +747,55 @@ async fn an_inner_layers_outage_decision_never_hides_the_outer_layers_headers() 
     assert_eq!(header("ratelimit-limit").as_deref(), Some("100"));
     assert_eq!(header("ratelimit-remaining").as_deref(), Some("99"));
 }
+
+/// The other way round: the inner layer's store is away and it fails closed. Its refusal (a
+/// 503) still governs what outer middleware and the headers see: not the outer layer's
+/// admission, which it gave back.
+#[tokio::test]
+async fn an_inner_layers_outage_refusal_still_reads_as_a_refusal() {
+    use tower::ServiceExt;
+    let mut server = RedisServer::start();
+    let inner_limiter = limiter(&server.url(), OnStoreError::fail_closed(), 5).await;
+    server.kill();
+    let outer_limiter = Limiter::builder(fleetlimit::MemoryStore::new())
+        .rule(
+            fleetlimit::Rule::new("outer", fleetlimit::Quota::per_minute(100).build().unwrap())
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(
+            fleetlimit::RateLimitLayer::builder(inner_limiter)
+                .key(fleetlimit::key::global())
+                .build()
+                .unwrap(),
+        )
+        .layer(
+            fleetlimit::RateLimitLayer::builder(outer_limiter.clone())
+                .key(fleetlimit::key::global())
+                .build()
+                .unwrap(),
+        );
+    let response = app
+        .oneshot(
+            http::Request::get("/")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+    let info = response.extensions().get::<fleetlimit::RateLimitInfo>();
+    assert!(
+        info.is_some_and(|i| !i.decision.allowed),
+        "outer middleware sees the refusal: {info:?}"
+    );
+    assert!(response.headers().get("ratelimit-remaining").is_none());
+    let outer = outer_limiter
+        .peek(&fleetlimit::Key::global())
+        .await
+        .unwrap();
+    assert_eq!(outer.remaining, 100, "the outer layer gave its permit back");
+}

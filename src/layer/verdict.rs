@@ -180,10 +180,6 @@ impl Verdict {
         }
     }
 
-    /// Finish the service's response: the refund its status calls for (or every permit, when
-    /// a layer inside refused the request), the rate-limit headers counting what is given back
-    /// and merged with those of layers inside, and the outcome for outer middleware. The
-    /// refund, if any, is to run before the response is returned.
     /// The inner service failed (an `Err`, not a response): what its rules give back for a
     /// server error (`refund_if`), refunded in the background, since the error goes out as it
     /// came. Such a failure is the service's own, which `refund_if(|s| s.is_server_error())`
@@ -205,6 +201,10 @@ impl Verdict {
         }
     }
 
+    /// Finish the service's response: the refund its status calls for (or every permit, when
+    /// a layer inside refused the request), the rate-limit headers counting what is given back
+    /// and merged with those of layers inside, and the outcome for outer middleware. The
+    /// refund, if any, is to run before the response is returned.
     pub(crate) fn on_response<B>(
         &mut self,
         response: &mut Response<B>,
@@ -471,10 +471,12 @@ fn merge(ours: RateLimitInfo, other: Option<RateLimitInfo>) -> RateLimitInfo {
     let Some(other) = other else {
         return ours;
     };
-    // An outage policy's decision counted nothing: its numbers describe nothing, and ranked as
-    // the most restrictive they would hide the other layer's, which were counted.
-    let by_policy = |info: &RateLimitInfo| info.decision.source == Source::Policy;
-    let decision = match (by_policy(&ours), by_policy(&other)) {
+    // An outage policy's admission counted nothing: its numbers describe nothing, and ranked as
+    // the most restrictive they would hide the other layer's, which were counted. Its refusal
+    // still wins: the response is a refusal, and must not read as an admission.
+    let counted_nothing =
+        |info: &RateLimitInfo| info.decision.source == Source::Policy && info.decision.allowed;
+    let decision = match (counted_nothing(&ours), counted_nothing(&other)) {
         (true, false) => other.decision,
         (false, true) => ours.decision,
         _ => ours.decision.more_restrictive(other.decision),
