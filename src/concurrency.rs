@@ -24,7 +24,7 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -88,6 +88,18 @@ struct Inner {
     deadline: Duration,
     /// `None` for a store that cannot fail.
     fallback: Option<Fallback>,
+    /// The store failed and has not answered since: an outage, said once.
+    failing: AtomicBool,
+}
+
+impl Inner {
+    /// The store answered: an outage, if there was one, is over.
+    fn answered(&self) {
+        if self.failing.load(Ordering::Relaxed) {
+            self.failing.store(false, Ordering::Relaxed);
+            tracing::info!(name = %self.name, "fleetlimit: concurrency slots available again");
+        }
+    }
 }
 
 /// A fleet-wide limit on requests in flight per key. Cheap to clone.
@@ -177,10 +189,12 @@ impl ConcurrencyLimiter {
         match answer {
             Ok((true, _)) => {
                 pending.armed = false;
+                inner.answered();
                 Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id))
             }
             Ok((false, in_flight)) => {
                 pending.armed = false;
+                inner.answered();
                 Acquired::Full { limit, in_flight }
             }
             Err(error) => self.fallback(key, id, limit, &error),
@@ -188,11 +202,17 @@ impl ConcurrencyLimiter {
     }
 
     fn fallback(&self, key: &Key, id: u64, share: u64, error: &StoreError) -> Acquired {
-        tracing::warn!(
-            name = %self.inner.name,
-            %error,
-            "fleetlimit: concurrency slots unavailable; the outage policy decides"
-        );
+        // Once per outage at `warn` (every request would say it again), then at `debug`; the
+        // first answer from the store ends the outage.
+        if self.inner.failing.swap(true, Ordering::Relaxed) {
+            tracing::debug!(name = %self.inner.name, %error, "fleetlimit: concurrency slots unavailable");
+        } else {
+            tracing::warn!(
+                name = %self.inner.name,
+                %error,
+                "fleetlimit: concurrency slots unavailable; the outage policy decides"
+            );
+        }
         match &self.inner.fallback {
             None | Some(Fallback::Open) => Acquired::Held(Slot::unheld()),
             Some(Fallback::Closed { retry_after }) => Acquired::Unavailable {
@@ -277,6 +297,7 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
                 ttl: self.ttl,
                 deadline: self.deadline,
                 fallback,
+                failing: AtomicBool::new(false),
             }),
         })
     }

@@ -162,6 +162,18 @@ async fn a_known_traffic_pattern_gives_exact_counts() {
     assert_eq!(decisions("m_fallback", "fallback_allowed"), 2.0);
     assert_eq!(decisions("m_fallback", "fallback_denied"), 1.0);
     assert!(count("fleetlimit_store_errors_total", &[]) >= 5.0);
+
+    // Calls the open breaker skips are not store calls: no error counted, and no latency sample
+    // of zero to show the store fast just while it is down.
+    let errors = || count("fleetlimit_store_errors_total", &[]);
+    let samples = || count("fleetlimit_store_call_seconds_count", &[("call", "apply")]);
+    let (errors_before, samples_before) = (errors(), samples());
+    let made_before = open.stats().store_errors + local.stats().store_errors;
+    consume(&open, "k", 100).await;
+    let made = open.stats().store_errors + local.stats().store_errors - made_before;
+    assert!(made < 10, "the breaker is open: {made} calls made");
+    assert_eq!(errors() - errors_before, made as f64);
+    assert_eq!(samples() - samples_before, made as f64);
 }
 
 #[tokio::test]

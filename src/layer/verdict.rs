@@ -53,7 +53,9 @@ impl Verdict {
                     config.limiter.shadow_denied(t.rule);
                 }
             }
-            tracing::info!(
+            // Per request, so at `debug`: a client over its limit must not fill the logs (the
+            // `shadow_denied` outcome counts these).
+            tracing::debug!(
                 retry_after = ?governing.retry_after,
                 "fleetlimit: shadow mode let through a request it would deny"
             );

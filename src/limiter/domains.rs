@@ -217,12 +217,21 @@ impl Inner {
         let domain = self.store.failure_domain(checks);
         let rule = checks.first().map_or("?", |c| c.rule.name());
         let started = std::time::Instant::now();
+        // Only calls made are measured: one the breaker skipped, or past the deadline, is no
+        // store error, and its zero latency would show the store fast just while it is down.
+        let made = std::sync::atomic::AtomicBool::new(false);
+        let call = async {
+            made.store(true, std::sync::atomic::Ordering::Relaxed);
+            call.await
+        };
         let answer = self
             .breakers
             .call(domain, rule, || self.clock.now_us(), deadline, call)
             .await;
-        self.telemetry
-            .store_call(what, started.elapsed(), answer.is_none());
+        if made.load(std::sync::atomic::Ordering::Relaxed) {
+            self.telemetry
+                .store_call(what, started.elapsed(), answer.is_none());
+        }
         answer
     }
 }

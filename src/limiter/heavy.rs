@@ -18,7 +18,7 @@ use crate::Key;
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct HeavyHitter {
-    /// The key: fingerprinted (`Key(sha256 …)`; addresses as they are) unless raw keys were
+    /// The key: fingerprinted (`Key(#1a2b3c4d)`; addresses as they are) unless raw keys were
     /// asked for ([`LimiterBuilder::heavy_hitters`](crate::LimiterBuilder::heavy_hitters)).
     pub key: String,
     /// Refusals counted over the last one to two periods (at most that many more, for a key

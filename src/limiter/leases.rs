@@ -323,14 +323,13 @@ impl Inner {
             cost: want,
             ..*check
         };
-        self.leases.lease_calls.fetch_add(1, Ordering::Relaxed);
+        // Counted when made: a lease the breaker skips is no lease request.
+        let lease = async {
+            self.leases.lease_calls.fetch_add(1, Ordering::Relaxed);
+            self.store.lease(lease_check, config.max_validity).await
+        };
         let Some(lease) = self
-            .call_store(
-                "lease",
-                std::slice::from_ref(check),
-                deadline,
-                self.store.lease(lease_check, config.max_validity),
-            )
+            .call_store("lease", std::slice::from_ref(check), deadline, lease)
             .await
         else {
             return Ok(self.policy_decision(check));

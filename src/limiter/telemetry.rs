@@ -15,10 +15,10 @@
 //! | `fleetlimit_lease_permits_expired_total` | counter | `rule`: unspent permits that could not be given back |
 //! | `fleetlimit_breakers_open` | gauge | breakers refusing store calls now (a count over the failure domains: a label per cluster slot would be 16,384 series) |
 //!
-//! Outcomes: `allowed` and `denied` (the store decided), `lease_allowed`/`lease_denied`
-//! (spent from a leased block), `cache_denied` (a remembered denial), `fallback_allowed` and
-//! `fallback_denied` (the local fallback during an outage), `outage_allowed` and
-//! `outage_denied` (fail open, fail closed; an allow-listed key admitted during an outage is
+//! Outcomes: `allowed` and `denied` (the store decided), `lease_allowed` (spent from a leased
+//! block; `lease_denied` is reserved: a leased key's refusals are the store's or remembered),
+//! `cache_denied` (a remembered denial), `fallback_allowed` and `fallback_denied` (the local
+//! fallback during an outage), `outage_allowed` and `outage_denied` (fail open, fail closed; an allow-listed key admitted during an outage is
 //! `outage_allowed`, a listed key refused then is `cache_denied`); the layer adds
 //! `shadow_denied` (shadow mode let through a request the limiter denied, which also counts as
 //! `denied`).
