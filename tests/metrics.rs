@@ -130,8 +130,9 @@ async fn a_known_traffic_pattern_gives_exact_counts() {
 
     // A real Redis: the denial cache answers the second refusal.
     let mut server = RedisServer::start();
+    let url = server.url();
     let redis = |name: &str, limit: u64, policy: OnStoreError| {
-        let url = server.url();
+        let url = url.clone();
         let rule = rule(name, limit);
         async move {
             let store = RedisStore::connect(&url).await.unwrap();
@@ -174,6 +175,37 @@ async fn a_known_traffic_pattern_gives_exact_counts() {
     assert!(made < 10, "the breaker is open: {made} calls made");
     assert_eq!(errors() - errors_before, made as f64);
     assert_eq!(samples() - samples_before, made as f64);
+
+    // Two more limiters whose breakers open: the process-wide gauge counts both (each limiter
+    // adds its own), and reading the stats brings it up to date.
+    let gauge = || count("fleetlimit_breakers_open", &[]);
+    open.stats();
+    local.stats();
+    let before = gauge();
+    let stays_open = |name: &str| {
+        let (url, rule) = (url.clone(), rule(name, 5));
+        async move {
+            Limiter::builder(RedisStore::connect(&url).await.unwrap())
+                .rule(rule)
+                .on_store_error(OnStoreError::FailOpen)
+                .deadline(Duration::from_millis(100))
+                .breaker(fleetlimit::BreakerConfig {
+                    failures: 1,
+                    cool_down: Duration::from_secs(600),
+                })
+                .build()
+                .unwrap()
+        }
+    };
+    let a = stays_open("m_gauge_a").await;
+    let b = stays_open("m_gauge_b").await;
+    consume(&a, "k", 10).await;
+    consume(&b, "k", 10).await;
+    let open_now = a.stats().open_breakers + b.stats().open_breakers;
+    assert_eq!(open_now, 2, "both breakers open");
+    assert_eq!(gauge() - before, 2.0);
+    drop((a, b));
+    assert_eq!(gauge(), before, "a dropped limiter takes its breakers back");
 }
 
 #[tokio::test]

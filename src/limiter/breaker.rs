@@ -165,15 +165,34 @@ pub(crate) struct Breakers {
     config: BreakerConfig,
     store_errors: AtomicU64,
     opened: AtomicU64,
+    /// This limiter's open breakers as last added to the process-wide gauge: each limiter adds
+    /// and takes back its own, so two in one process never overwrite each other's.
+    reported: AtomicU64,
+}
+
+impl Drop for Breakers {
+    fn drop(&mut self) {
+        super::telemetry::breakers_open_changed(self.reported.load(Ordering::Relaxed), 0);
+    }
 }
 
 impl Breakers {
+    /// Bring the gauge up to date with this limiter's open breakers at `now` (on every opening
+    /// and closing, and whenever the stats are read, which also sees a cool-down that ended).
+    pub(crate) fn report_open(&self, now: u64) -> u64 {
+        let open = self.open_at(now);
+        let before = self.reported.swap(open, Ordering::Relaxed);
+        super::telemetry::breakers_open_changed(before, open);
+        open
+    }
+
     pub(crate) fn new(domains: usize, config: BreakerConfig) -> Breakers {
         Breakers {
             breakers: (0..domains.max(1)).map(|_| Breaker::default()).collect(),
             config,
             store_errors: AtomicU64::new(0),
             opened: AtomicU64::new(0),
+            reported: AtomicU64::new(0),
         }
     }
 
@@ -206,7 +225,7 @@ impl Breakers {
         match result {
             Ok(value) => {
                 if breaker.success() == Transition::Closed {
-                    super::telemetry::breakers_open(self.open_at(now()));
+                    self.report_open(now());
                     tracing::info!(
                         rule,
                         domain,
@@ -220,7 +239,7 @@ impl Breakers {
                 match breaker.failure(now(), probe, &self.config) {
                     Transition::Opened => {
                         self.opened.fetch_add(1, Ordering::Relaxed);
-                        super::telemetry::breakers_open(self.open_at(now()));
+                        self.report_open(now());
                         tracing::warn!(
                             rule,
                             domain,

@@ -707,7 +707,7 @@ impl Limiter {
             degraded_decisions: i.degraded.load(Ordering::Relaxed),
             store_errors: i.breakers.store_errors(),
             breaker_opened: i.breakers.opened(),
-            open_breakers: i.breakers.open_at(i.clock.now_us()),
+            open_breakers: i.breakers.report_open(i.clock.now_us()),
         }
     }
 

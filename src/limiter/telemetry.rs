@@ -13,7 +13,7 @@
 //! | `fleetlimit_lease_blocks_total` | counter | `rule`: blocks leased |
 //! | `fleetlimit_lease_permits_returned_total` | counter | `rule`: unspent permits given back |
 //! | `fleetlimit_lease_permits_expired_total` | counter | `rule`: unspent permits that could not be given back |
-//! | `fleetlimit_breakers_open` | gauge | breakers refusing store calls now (a count over the failure domains: a label per cluster slot would be 16,384 series) |
+//! | `fleetlimit_breakers_open` | gauge | breakers refusing store calls now, over every limiter in the process (a count over the failure domains: a label per cluster slot would be 16,384 series); brought up to date when one opens or closes and when `stats()` is read |
 //!
 //! Outcomes: `allowed` and `denied` (the store decided), `lease_allowed` (spent from a leased
 //! block; `lease_denied` is reserved: a leased key's refusals are the store's or remembered),
@@ -187,9 +187,17 @@ pub(crate) fn lease_expired(rule: &Rule, permits: u64) {
     .increment(permits);
 }
 
-/// Breakers refusing store calls now (set when one opens or closes).
+/// One limiter's open breakers went from `before` to `now`: the process-wide gauge moves by the
+/// difference (every limiter in the process adds its own).
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn breakers_open(open: u64) {
+pub(crate) fn breakers_open_changed(before: u64, now: u64) {
     #[cfg(feature = "metrics")]
-    metrics::gauge!("fleetlimit_breakers_open").set(open as f64);
+    {
+        let gauge = metrics::gauge!("fleetlimit_breakers_open");
+        if now > before {
+            gauge.increment((now - before) as f64);
+        } else if before > now {
+            gauge.decrement((before - now) as f64);
+        }
+    }
 }
