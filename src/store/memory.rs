@@ -121,7 +121,15 @@ struct Shard {
     /// lock can be older than a decision already made under it; such a request is decided at
     /// this time instead, so states only ever move forward (see [`Shard::at`]).
     latest: u64,
+    /// A full shard's last sweep freed nothing: no sweep for a new key before this time (µs).
+    /// Each sweep scans the whole shard under its lock, and a key spray on a shard of
+    /// restrictive entries would otherwise pay one scan per request.
+    full_until: u64,
 }
+
+/// How long a full shard whose sweep freed nothing waits before sweeping for a new key again
+/// (sooner when one of its entries expires).
+const FULL_RETRY: u64 = 1_000_000;
 
 /// Kept small (no cached hash): a table of many keys is bound by cache misses, and smaller
 /// entries miss less. The key is held as a [`Key`]: inline up to 37 bytes, so finding an entry
@@ -366,6 +374,7 @@ impl MemoryStoreBuilder {
                             next_sweep: FIRST_SWEEP.min(shard_capacity),
                             overflow: Vec::new(),
                             latest: 0,
+                            full_until: 0,
                         }),
                         refusing: AtomicBool::new(false),
                     })
@@ -534,7 +543,7 @@ impl Inner {
         // Make room once, before anything is decided: a sweep between deciding one check and
         // committing another could evict the state a decision was made on.
         for shard in guards.iter_mut() {
-            if shard.table.len() >= self.shard_capacity {
+            if shard.table.len() >= self.shard_capacity && now >= shard.full_until {
                 shard.sweep(now, self.shard_capacity);
             }
         }
@@ -547,6 +556,36 @@ impl Inner {
             .zip(&hashes)
             .map(|(c, &h)| guards[slot(h)].decide(op, c, h, now, self, false))
             .collect();
+        if op == Op::Consume {
+            // Keys of one rule sharing a full shard's overflow state were each decided against
+            // it alone: together they may take more than it holds. Each group's total is
+            // decided once, and refused whole if it does not fit.
+            let mut groups: Vec<(usize, u32, u64, Vec<usize>)> = Vec::new();
+            for (i, (c, &h)) in checks.iter().zip(&hashes).enumerate() {
+                if decided[i].1 != Place::Overflow || !decided[i].0.allowed {
+                    continue;
+                }
+                let (g, rule) = (slot(h), c.rule.name_id());
+                match groups.iter_mut().find(|x| x.0 == g && x.1 == rule) {
+                    Some(group) => {
+                        group.2 = group.2.saturating_add(c.cost);
+                        group.3.push(i);
+                    }
+                    None => groups.push((g, rule, c.cost, vec![i])),
+                }
+            }
+            for (g, _, total, members) in groups.into_iter().filter(|x| x.3.len() > 1) {
+                let first = &checks[members[0]];
+                let quota = first.rule.quota();
+                let mut shared = fitted(&mut guards[g].overflow_state(first).1, quota).clone();
+                let together = shared.decide(now, quota, total);
+                if !together.allowed {
+                    for i in members {
+                        decided[i].0 = together;
+                    }
+                }
+            }
+        }
         let commit = op == Op::Consume && decided.iter().all(|(d, _, _)| d.allowed);
         for ((c, &h), (d, place, undo)) in checks.iter().zip(&hashes).zip(decided.iter_mut()) {
             let shard = &mut guards[slot(h)];
@@ -604,7 +643,7 @@ impl Shard {
         if self.find(check, hash).is_some() {
             return Place::Found;
         }
-        if may_sweep && self.table.len() >= capacity {
+        if may_sweep && self.table.len() >= capacity && now >= self.full_until {
             self.sweep(now, capacity);
         }
         if self.table.len() < capacity {
@@ -839,6 +878,12 @@ impl Shard {
         }
         self.overflow.retain(|(_, _, expires_at)| *expires_at > now);
         self.next_sweep = (self.table.len() * 2).clamp(FIRST_SWEEP.min(capacity), capacity);
+        self.full_until = if self.table.len() >= capacity {
+            let first_expiry = self.table.iter().map(|e| e.expires_at).min();
+            first_expiry.map_or(now, |t| t.min(now.saturating_add(FULL_RETRY)))
+        } else {
+            0
+        };
     }
 }
 
@@ -1552,6 +1597,74 @@ mod tests {
     }
 
     /// A receipt from an evicted entry never reaches the entry the key gets afterwards.
+    /// Two new keys of one rule in one batch, in a full shard of restrictive entries: both
+    /// share its overflow state, which holds one permit. Each alone fits; together they do not,
+    /// and the batch is refused whole (on Redis each key has its own state).
+    #[test]
+    fn keys_sharing_the_overflow_in_one_batch_are_decided_together() {
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .max_keys(1)
+            .build()
+            .unwrap();
+        let r = rule("r", Algorithm::FixedWindow, 1);
+        let held = Key::new("held");
+        assert!(s.check(Op::Consume, &one(&r, &held, 1)[0]).allowed);
+        let (a, b) = (Key::new("a"), Key::new("b"));
+        let batch = [one(&r, &a, 1)[0], one(&r, &b, 1)[0]];
+        let decisions = s.apply_now(Op::Consume, &batch);
+        assert!(decisions.iter().all(|d| !d.allowed), "{decisions:?}");
+        // Alone, one of them fits.
+        assert!(s.check(Op::Consume, &batch[0]).allowed);
+    }
+
+    /// A full shard whose sweep frees nothing (every entry restrictive) is not swept again for
+    /// each new key, only once an entry can expire (or a second later): a key spray must not
+    /// buy one scan of the shard per request. Once entries expire, new keys get their own.
+    #[test]
+    fn a_full_shard_is_not_swept_for_every_new_key() {
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .max_keys(8)
+            .build()
+            .unwrap();
+        let r = rule("r", Algorithm::FixedWindow, 1);
+        for i in 0..8u8 {
+            assert!(s.check(Op::Consume, &one(&r, &Key::new([i]), 1)[0]).allowed);
+        }
+        assert!(
+            s.check(Op::Consume, &one(&r, &Key::new("new"), 1)[0])
+                .allowed
+        );
+        let now = clock.now_us();
+        let full_until = s.inner.shards[0].shard.read().full_until;
+        assert!(
+            full_until > now && full_until <= now + FULL_RETRY,
+            "{full_until}"
+        );
+        for i in 0..100u32 {
+            s.check(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 1)[0]);
+        }
+        assert_eq!(
+            s.inner.shards[0].shard.read().full_until,
+            full_until,
+            "no sweep"
+        );
+        clock.advance(Duration::from_secs(1));
+        let fresh = Key::new("after");
+        assert!(s.check(Op::Consume, &one(&r, &fresh, 1)[0]).allowed);
+        let shard = s.inner.shards[0].shard.read();
+        let hash = s.inner.hash(&one(&r, &fresh, 1)[0]);
+        assert!(
+            shard.table.find(hash, |e| e.key == fresh).is_some(),
+            "an entry of its own"
+        );
+    }
+
     #[test]
     fn a_receipt_survives_no_eviction() {
         let clock = ManualClock::new(1_735_689_600_000_000);
