@@ -13,7 +13,7 @@
 //! Memory per entry: about 120 bytes with the key inline (the README has the measured figure).
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -80,6 +80,9 @@ struct Inner {
     /// usual case) decides without looking.
     listings: Mutex<std::collections::HashMap<Key, Listed>>,
     listed: AtomicUsize,
+    /// When the last of them ends (µs; never, with an allow or deny entry): from then on the
+    /// count is pruned, so that ended blocks do not keep every decision on the mutex.
+    listings_end: AtomicU64,
     /// Concurrency slots per (limit name, key).
     slots: Mutex<SlotTable>,
 }
@@ -386,6 +389,7 @@ impl MemoryStoreBuilder {
                 pauses: Mutex::new(std::collections::HashMap::new()),
                 listings: Mutex::new(std::collections::HashMap::new()),
                 listed: AtomicUsize::new(0),
+                listings_end: AtomicU64::new(u64::MAX),
                 slots: Mutex::new(std::collections::HashMap::new()),
             }),
         }
@@ -448,6 +452,22 @@ impl Inner {
         }
     }
 
+    /// Drop the ended blocks from `listings` (held locked), and publish their count and when
+    /// the last one left ends.
+    fn settle_listings(&self, listings: &mut std::collections::HashMap<Key, Listed>, now: u64) {
+        listings.retain(|_, l| !matches!(l, Listed::Until(t) if *t <= now));
+        let end = listings
+            .values()
+            .map(|l| match l {
+                Listed::Until(t) => *t,
+                Listed::Allow | Listed::Deny => u64::MAX,
+            })
+            .max()
+            .unwrap_or(u64::MAX);
+        self.listings_end.store(end, Ordering::Relaxed);
+        self.listed.store(listings.len(), Ordering::Release);
+    }
+
     /// `key`'s entry in force at `now`.
     fn listed(&self, key: &Key, now: u64) -> Option<Listed> {
         if self.listed.load(Ordering::Acquire) == 0 {
@@ -465,6 +485,12 @@ impl Inner {
     fn apply_listed(&self, op: Op, checks: &[Check<'_>], now: u64) -> Option<Vec<Decision>> {
         if self.listed.load(Ordering::Acquire) == 0 {
             return None;
+        }
+        if now >= self.listings_end.load(Ordering::Relaxed) {
+            self.settle_listings(&mut self.listings.lock(), now);
+            if self.listed.load(Ordering::Acquire) == 0 {
+                return None;
+            }
         }
         let listed: Vec<Option<Listed>> = checks.iter().map(|c| self.listed(c.key, now)).collect();
         if listed.iter().all(Option::is_none) {
@@ -1086,7 +1112,9 @@ impl Store for MemoryStore {
         pause: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let now = self.inner.clock.now_us();
-        let until = now.saturating_add(pause.as_micros().min(u128::from(u64::MAX)) as u64);
+        // Whole milliseconds, 1 ms to about 49 days, as the Redis store keeps them.
+        let ms = pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64;
+        let until = now.saturating_add(ms * 1000);
         let mut pauses = self.inner.pauses.lock();
         pauses.retain(|_, until| *until > now);
         pauses.insert((rule.shared_name().clone(), key.clone()), until);
@@ -1100,7 +1128,6 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let now = self.inner.clock.now_us();
         let mut listings = self.inner.listings.lock();
-        listings.retain(|_, l| !matches!(l, Listed::Until(t) if *t <= now));
         match listing {
             None => {
                 listings.remove(key);
@@ -1116,7 +1143,7 @@ impl Store for MemoryStore {
                 listings.insert(key.clone(), held);
             }
         }
-        self.inner.listed.store(listings.len(), Ordering::Release);
+        self.inner.settle_listings(&mut listings, now);
         Box::pin(std::future::ready(Ok(())))
     }
 
@@ -1662,6 +1689,43 @@ mod tests {
         assert!(
             shard.table.find(hash, |e| e.key == fresh).is_some(),
             "an entry of its own"
+        );
+    }
+
+    /// Once every block has ended, the listings are pruned by the next decision: an ended
+    /// block does not keep every decision on the listings mutex.
+    #[tokio::test]
+    async fn ended_blocks_leave_the_listings() {
+        use crate::store::Store;
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let r = rule("r", Algorithm::FixedWindow, 10);
+        let k = Key::new("blocked");
+        s.set_listing(&k, Some(Listing::Block(Duration::from_secs(1))))
+            .await
+            .unwrap();
+        assert!(!s.check(Op::Consume, &one(&r, &k, 1)[0]).allowed);
+        assert_eq!(s.inner.listed.load(Ordering::Acquire), 1);
+        clock.advance(Duration::from_secs(2));
+        assert!(
+            s.check(Op::Consume, &one(&r, &Key::new("other"), 1)[0])
+                .allowed
+        );
+        assert_eq!(s.inner.listed.load(Ordering::Acquire), 0, "pruned");
+        assert!(s.check(Op::Consume, &one(&r, &k, 1)[0]).allowed);
+    }
+
+    /// Pauses are kept as the Redis store keeps them: whole milliseconds, at least one.
+    #[tokio::test]
+    async fn a_pause_is_at_least_a_millisecond() {
+        use crate::store::Store;
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let (r, k) = (rule("r", Algorithm::FixedWindow, 10), Key::new("k"));
+        s.pause(&r, &k, Duration::ZERO).await.unwrap();
+        assert_eq!(
+            s.paused_for(&r, &k).await.unwrap(),
+            Some(Duration::from_millis(1))
         );
     }
 
