@@ -1112,9 +1112,9 @@ impl Store for MemoryStore {
         pause: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let now = self.inner.clock.now_us();
-        // Whole milliseconds, 1 ms to about 49 days, as the Redis store keeps them.
-        let ms = pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64;
-        let until = now.saturating_add(ms * 1000);
+        // At most about 49 days, as the Redis store keeps them (a zero pause lifts one).
+        let us = pause.as_micros().min(u128::from(u32::MAX) * 1000) as u64;
+        let until = now.saturating_add(us);
         let mut pauses = self.inner.pauses.lock();
         pauses.retain(|_, until| *until > now);
         pauses.insert((rule.shared_name().clone(), key.clone()), until);
@@ -1715,17 +1715,20 @@ mod tests {
         assert!(s.check(Op::Consume, &one(&r, &k, 1)[0]).allowed);
     }
 
-    /// Pauses are kept as the Redis store keeps them: whole milliseconds, at least one.
+    /// Pauses are capped as the Redis store caps them: about 49 days, not a pushback date
+    /// years away.
     #[tokio::test]
-    async fn a_pause_is_at_least_a_millisecond() {
+    async fn a_pause_is_capped_as_on_redis() {
         use crate::store::Store;
         let clock = ManualClock::new(1_900_000_000_000_000);
         let s = MemoryStore::builder().clock(clock.clone()).build().unwrap();
         let (r, k) = (rule("r", Algorithm::FixedWindow, 10), Key::new("k"));
-        s.pause(&r, &k, Duration::ZERO).await.unwrap();
+        s.pause(&r, &k, Duration::from_secs(10 * 365 * 86_400))
+            .await
+            .unwrap();
         assert_eq!(
             s.paused_for(&r, &k).await.unwrap(),
-            Some(Duration::from_millis(1))
+            Some(Duration::from_millis(u64::from(u32::MAX)))
         );
     }
 
