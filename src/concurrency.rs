@@ -789,9 +789,7 @@ impl<B: Body, G> Body for HeldBody<B, G> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{BoxFuture, Check, Lease, Listing, Op, Refund};
-    use crate::{Clock, Decision, Rule};
-    use std::sync::atomic::AtomicU32;
+    use crate::Clock;
 
     /// Tokio's time, paused in these tests, as a store clock.
     #[derive(Debug)]
@@ -803,100 +801,21 @@ mod tests {
         }
     }
 
-    /// A memory store whose first slot renewal never answers (a request lost on the way).
-    struct LosesARenewal {
-        store: MemoryStore,
-        lost: AtomicU32,
-    }
-
-    impl crate::store::sealed::Sealed for LosesARenewal {}
-
-    impl Store for LosesARenewal {
-        fn apply<'a>(
-            &'a self,
-            op: Op,
-            checks: &'a [Check<'a>],
-        ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
-            self.store.apply(op, checks)
-        }
-        fn lease<'a>(
-            &'a self,
-            check: Check<'a>,
-            max_validity: Duration,
-        ) -> BoxFuture<'a, Result<Lease, StoreError>> {
-            self.store.lease(check, max_validity)
-        }
-        fn refund<'a>(
-            &'a self,
-            refunds: &'a [Refund<'a>],
-        ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
-            self.store.refund(refunds)
-        }
-        fn pause<'a>(
-            &'a self,
-            rule: &'a Rule,
-            key: &'a Key,
-            pause: Duration,
-        ) -> BoxFuture<'a, Result<(), StoreError>> {
-            self.store.pause(rule, key, pause)
-        }
-        fn paused_for<'a>(
-            &'a self,
-            rule: &'a Rule,
-            key: &'a Key,
-        ) -> BoxFuture<'a, Result<Option<Duration>, StoreError>> {
-            self.store.paused_for(rule, key)
-        }
-        fn set_listing<'a>(
-            &'a self,
-            key: &'a Key,
-            listing: Option<Listing>,
-        ) -> BoxFuture<'a, Result<(), StoreError>> {
-            self.store.set_listing(key, listing)
-        }
-        fn listing<'a>(
-            &'a self,
-            key: &'a Key,
-        ) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
-            self.store.listing(key)
-        }
-        fn reset<'a>(
-            &'a self,
-            rule: &'a Rule,
-            key: &'a Key,
-        ) -> BoxFuture<'a, Result<(), StoreError>> {
-            self.store.reset(rule, key)
-        }
-        fn slots<'a>(
-            &'a self,
-            op: SlotOp,
-            name: &'a str,
-            key: &'a Key,
-            slot: u64,
-            limit: u64,
-            ttl: Duration,
-        ) -> BoxFuture<'a, Result<(bool, u64), StoreError>> {
-            if op == SlotOp::Renew && self.lost.fetch_add(1, Ordering::SeqCst) == 0 {
-                return Box::pin(std::future::pending());
-            }
-            self.store.slots(op, name, key, slot, limit, ttl)
-        }
-    }
-
     /// One renewal lost: the next try comes soon enough that the slot never lapses, and a
     /// second request is still refused after the first ttl has passed.
     #[tokio::test(start_paused = true)]
     async fn a_lost_renewal_is_tried_again_before_the_slot_expires() {
-        let store = LosesARenewal {
+        let store = crate::store::testing::Link {
             store: MemoryStore::builder()
                 .clock(TokioClock(tokio::time::Instant::now()))
                 .build()
                 .unwrap(),
-            lost: AtomicU32::new(0),
+            delay: Duration::ZERO,
+            lost_renewals: 1.into(),
         };
-        let ttl = Duration::from_secs(3);
+        // The default ttl (5 s): renewals every 1.67 s, a lost one retried 0.5 s later.
+        let ttl = DEFAULT_SLOT_TTL;
         let limiter = ConcurrencyLimiter::builder(store, "in-flight", 1)
-            .ttl(ttl)
             .on_store_error(OnStoreError::FailClosed {
                 retry_after: Duration::from_secs(1),
             })

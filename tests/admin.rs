@@ -55,6 +55,40 @@ impl Backend {
     }
 }
 
+impl Backend {
+    /// A limiter with `penalty`, on `rule` alone (fail closed on Redis).
+    async fn penalised(
+        &self,
+        clock: &ManualClock,
+        rule: Rule,
+        penalty: fleetlimit::Penalty,
+    ) -> Limiter {
+        match self {
+            Backend::Memory(store) => Limiter::builder(store.clone())
+                .rule(rule)
+                .penalty(penalty)
+                .clock(clock.clone())
+                .build()
+                .unwrap(),
+            Backend::Redis(server) => {
+                let store = RedisStore::builder()
+                    .clock(clock.clone())
+                    .connect(&server.url())
+                    .await
+                    .unwrap();
+                Limiter::builder(store)
+                    .rule(rule)
+                    .on_store_error(OnStoreError::fail_closed())
+                    .deadline(Duration::from_secs(2))
+                    .penalty(penalty)
+                    .clock(clock.clone())
+                    .build()
+                    .unwrap()
+            }
+        }
+    }
+}
+
 async fn each_backend(test: impl AsyncFn(Backend, ManualClock, &'static str)) {
     let clock = ManualClock::new(T0);
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
@@ -231,29 +265,7 @@ async fn the_penalty_box_blocks_repeat_offenders_longer_each_time() {
             )
             .unwrap()
         };
-        let build = async || match &backend {
-            Backend::Memory(store) => Limiter::builder(store.clone())
-                .rule(rule())
-                .penalty(penalty)
-                .clock(clock.clone())
-                .build()
-                .unwrap(),
-            Backend::Redis(server) => {
-                let store = RedisStore::builder()
-                    .clock(clock.clone())
-                    .connect(&server.url())
-                    .await
-                    .unwrap();
-                Limiter::builder(store)
-                    .rule(rule())
-                    .on_store_error(OnStoreError::fail_closed())
-                    .deadline(Duration::from_secs(2))
-                    .penalty(penalty)
-                    .clock(clock.clone())
-                    .build()
-                    .unwrap()
-            }
-        };
+        let build = async || backend.penalised(&clock, rule(), penalty).await;
         let (a, b) = (build().await, build().await);
         let key = Key::new("hammer");
         for (round, block) in [(0, 120), (1, 240)] {
@@ -371,29 +383,7 @@ async fn the_penalty_box_leaves_listings_and_shared_keys_alone() {
                 .unwrap(),
         )
         .unwrap();
-        let limiter = match &backend {
-            Backend::Memory(store) => Limiter::builder(store.clone())
-                .rule(rule)
-                .penalty(penalty)
-                .clock(clock.clone())
-                .build()
-                .unwrap(),
-            Backend::Redis(server) => {
-                let store = RedisStore::builder()
-                    .clock(clock.clone())
-                    .connect(&server.url())
-                    .await
-                    .unwrap();
-                Limiter::builder(store)
-                    .rule(rule)
-                    .on_store_error(OnStoreError::fail_closed())
-                    .deadline(Duration::from_secs(2))
-                    .penalty(penalty)
-                    .clock(clock.clone())
-                    .build()
-                    .unwrap()
-            }
-        };
+        let limiter = backend.penalised(&clock, rule, penalty).await;
         let key = Key::new("briefly-blocked");
         limiter.block(&key, Duration::from_secs(5)).await.unwrap();
         for _ in 0..30 {

@@ -404,19 +404,23 @@ scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "20
         app.clone().oneshot(req).await.unwrap().status()
     }
 
+    /// A limiter on the memory store with the file's rules.
+    fn memory_limiter(set: &RuleSet) -> Limiter {
+        set.rules
+            .iter()
+            .cloned()
+            .fold(Limiter::builder(MemoryStore::new()), |b, r| b.rule(r))
+            .build()
+            .unwrap()
+    }
+
     /// A rules file's `key = "peer"` is the client's address as the layer reads it: behind a
     /// trusted proxy, each client its own bucket, not every client the proxy's.
     #[tokio::test]
     async fn a_peer_scope_believes_the_layers_proxies() {
         use fleetlimit::key::{PeerIp, TrustedProxies};
         let set = RuleSet::from_toml(FILE).unwrap();
-        let limiter = set
-            .rules
-            .iter()
-            .cloned()
-            .fold(Limiter::builder(MemoryStore::new()), |b, r| b.rule(r))
-            .build()
-            .unwrap();
+        let limiter = memory_limiter(&set);
         let behind_one_proxy = PeerIp::default().trust(TrustedProxies::hops(1).unwrap());
         let layer = set
             .scope(RateLimitLayer::builder(limiter).peer_ip(behind_one_proxy))
@@ -456,13 +460,7 @@ scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "20
         let set = RuleSet::from_toml(FILE).unwrap();
         assert_eq!(set.rules.len(), 2);
         assert_eq!(set.scopes.len(), 1);
-        let limiter = set
-            .rules
-            .iter()
-            .cloned()
-            .fold(Limiter::builder(MemoryStore::new()), |b, r| b.rule(r))
-            .build()
-            .unwrap();
+        let limiter = memory_limiter(&set);
         let layer = set
             .scope(RateLimitLayer::builder(limiter).key(key::header("x-api-key")))
             .unwrap()

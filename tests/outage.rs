@@ -698,94 +698,58 @@ async fn the_longest_durations_never_overflow() {
     );
 }
 
-/// Two nested layers: the outer on an in-process limiter, the inner on a Redis that is away
-/// (failing open). The inner layer's outage decision counted nothing, so it must not hide the
+/// Two nested layers on global keys: the outer on an in-process limiter of 100 a minute
+/// (returned), the inner on a Redis that is away, following `policy`.
+async fn nested_layers_inner_down(policy: OnStoreError) -> (axum::Router, Limiter) {
+    let mut server = RedisServer::start();
+    let inner = limiter(&server.url(), policy, 5).await;
+    server.kill();
+    let outer = Limiter::builder(fleetlimit::MemoryStore::new())
+        .rule(
+            fleetlimit::Rule::new("outer", fleetlimit::Quota::per_minute(100).build().unwrap())
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let layer = |limiter: Limiter| {
+        fleetlimit::RateLimitLayer::builder(limiter)
+            .key(fleetlimit::key::global())
+            .build()
+            .unwrap()
+    };
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(layer(inner))
+        .layer(layer(outer.clone()));
+    (app, outer)
+}
+
+async fn get(app: axum::Router) -> axum::response::Response {
+    use tower::ServiceExt;
+    let req = http::Request::get("/")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    app.oneshot(req).await.unwrap()
+}
+
+/// The inner layer fails open: its outage decision counted nothing, so it must not hide the
 /// outer layer's headers, which describe what was counted.
 #[tokio::test]
 async fn an_inner_layers_outage_decision_never_hides_the_outer_layers_headers() {
-    use tower::ServiceExt;
-    let mut server = RedisServer::start();
-    let inner_limiter = limiter(&server.url(), OnStoreError::FailOpen, 5).await;
-    server.kill();
-    let outer_limiter = Limiter::builder(fleetlimit::MemoryStore::new())
-        .rule(
-            fleetlimit::Rule::new("outer", fleetlimit::Quota::per_minute(100).build().unwrap())
-                .unwrap(),
-        )
-        .build()
-        .unwrap();
-    let app = axum::Router::new()
-        .route("/", axum::routing::get(|| async { "ok" }))
-        .layer(
-            fleetlimit::RateLimitLayer::builder(inner_limiter)
-                .key(fleetlimit::key::global())
-                .build()
-                .unwrap(),
-        )
-        .layer(
-            fleetlimit::RateLimitLayer::builder(outer_limiter)
-                .key(fleetlimit::key::global())
-                .build()
-                .unwrap(),
-        );
-    let response = app
-        .oneshot(
-            http::Request::get("/")
-                .body(axum::body::Body::empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let (app, _) = nested_layers_inner_down(OnStoreError::FailOpen).await;
+    let response = get(app).await;
     assert_eq!(response.status(), http::StatusCode::OK);
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    assert_eq!(header("ratelimit-limit").as_deref(), Some("100"));
-    assert_eq!(header("ratelimit-remaining").as_deref(), Some("99"));
+    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok());
+    assert_eq!(header("ratelimit-limit"), Some("100"));
+    assert_eq!(header("ratelimit-remaining"), Some("99"));
 }
 
-/// The other way round: the inner layer's store is away and it fails closed. Its refusal (a
-/// 503) still governs what outer middleware and the headers see: not the outer layer's
-/// admission, which it gave back.
+/// The inner layer fails closed: its refusal (a 503) still governs what outer middleware and
+/// the headers see, not the outer layer's admission, which it gave back.
 #[tokio::test]
 async fn an_inner_layers_outage_refusal_still_reads_as_a_refusal() {
-    use tower::ServiceExt;
-    let mut server = RedisServer::start();
-    let inner_limiter = limiter(&server.url(), OnStoreError::fail_closed(), 5).await;
-    server.kill();
-    let outer_limiter = Limiter::builder(fleetlimit::MemoryStore::new())
-        .rule(
-            fleetlimit::Rule::new("outer", fleetlimit::Quota::per_minute(100).build().unwrap())
-                .unwrap(),
-        )
-        .build()
-        .unwrap();
-    let app = axum::Router::new()
-        .route("/", axum::routing::get(|| async { "ok" }))
-        .layer(
-            fleetlimit::RateLimitLayer::builder(inner_limiter)
-                .key(fleetlimit::key::global())
-                .build()
-                .unwrap(),
-        )
-        .layer(
-            fleetlimit::RateLimitLayer::builder(outer_limiter.clone())
-                .key(fleetlimit::key::global())
-                .build()
-                .unwrap(),
-        );
-    let response = app
-        .oneshot(
-            http::Request::get("/")
-                .body(axum::body::Body::empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let (app, outer) = nested_layers_inner_down(OnStoreError::fail_closed()).await;
+    let response = get(app).await;
     assert_eq!(response.status(), http::StatusCode::SERVICE_UNAVAILABLE);
     let info = response.extensions().get::<fleetlimit::RateLimitInfo>();
     assert!(
@@ -793,9 +757,6 @@ async fn an_inner_layers_outage_refusal_still_reads_as_a_refusal() {
         "outer middleware sees the refusal: {info:?}"
     );
     assert!(response.headers().get("ratelimit-remaining").is_none());
-    let outer = outer_limiter
-        .peek(&fleetlimit::Key::global())
-        .await
-        .unwrap();
-    assert_eq!(outer.remaining, 100, "the outer layer gave its permit back");
+    let left = outer.peek(&fleetlimit::Key::global()).await.unwrap();
+    assert_eq!(left.remaining, 100, "the outer layer gave its permit back");
 }

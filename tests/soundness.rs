@@ -64,6 +64,14 @@ impl Backend {
     }
 }
 
+/// `GET path` from one client (198.51.100.7): the response's status.
+async fn status_of(app: Router, path: &str) -> StatusCode {
+    let mut req = Request::get(path).body(Body::empty()).unwrap();
+    req.extensions_mut()
+        .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+    app.oneshot(req).await.unwrap().status()
+}
+
 async fn each_backend(test: impl AsyncFn(Backend, ManualClock, &'static str)) {
     let clock = ManualClock::new(T0);
     test(Backend::memory(&clock), clock, "memory").await;
@@ -228,15 +236,7 @@ async fn a_slow_failing_handler_across_a_boundary_creates_no_permit() {
                     .build()
                     .unwrap(),
             );
-        let send = |path: &'static str| {
-            let app = app.clone();
-            async move {
-                let mut req = Request::get(path).body(Body::empty()).unwrap();
-                req.extensions_mut()
-                    .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
-                app.oneshot(req).await.unwrap().status()
-            }
-        };
+        let send = |path: &'static str| status_of(app.clone(), path);
         let slow = tokio::spawn(send("/slow"));
         // The slow request is admitted (at 0.999 s) before its handler runs.
         arrived.notified().await;
@@ -309,15 +309,7 @@ async fn a_refund_through_the_layer_keeps_the_plan_that_decided() {
                     .build()
                     .unwrap(),
             );
-        let send = |path: &'static str| {
-            let app = app.clone();
-            async move {
-                let mut req = Request::get(path).body(Body::empty()).unwrap();
-                req.extensions_mut()
-                    .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
-                app.oneshot(req).await.unwrap().status()
-            }
-        };
+        let send = |path: &'static str| status_of(app.clone(), path);
         for _ in 0..4 {
             assert_eq!(send("/").await, StatusCode::OK, "{name}");
         }

@@ -110,45 +110,45 @@ impl Inner {
                 })
             })
             .collect();
-        if refunds.is_empty() {
-            return;
-        }
-        if self.policy.is_none() {
-            if !self.give_back(&refunds, deadline).await {
-                tracing::warn!("fleetlimit: could not give back permits after a denial");
-            }
-            return;
-        }
-        // Domain by domain within the deadline. What the deadline leaves unsent (another domain
-        // held the request to it) goes later with a budget of its own; a refund that was sent
-        // is never sent again, even if it failed: it may have landed, and would give back twice.
-        let checks: Vec<Check<'_>> = refunds.iter().map(Refund::check).collect();
-        let mut later: Vec<Refund<'_>> = Vec::new();
-        for members in self.domain_groups(checks.iter().map(std::slice::from_ref)) {
-            let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
-            if deadline.passed() {
-                later.extend(group);
-                continue;
-            }
-            let group_checks: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            let given = self.store.refund(&group);
-            if self
-                .call_store("refund", &group_checks, deadline, given)
-                .await
-                .is_none()
-            {
-                tracing::warn!(
-                    "fleetlimit: could not give back permits after a denial on another slot; they stay taken until they expire"
-                );
-            }
-        }
-        if !later.is_empty() {
-            self.compensate_later(&later);
+        if !refunds.is_empty() && !self.give_back(&refunds, deadline).await {
+            tracing::warn!(
+                "fleetlimit: could not give back permits after a denial on another slot; they stay taken until they expire"
+            );
         }
     }
 
-    /// [`give_back`](Inner::give_back) in the background, within a deadline of its own.
-    fn compensate_later(&self, refunds: &[Refund<'_>]) {
+    /// Refunds, one store call per failure domain, within `deadline`; false if any was sent
+    /// and failed. What the deadline leaves unsent (another domain held the call to it) goes
+    /// later, in the background, with a deadline of its own. A refund that was sent is never
+    /// sent again, even if it failed: it may have landed, and would give back twice.
+    pub(super) async fn give_back(&self, refunds: &[Refund<'_>], deadline: Deadline) -> bool {
+        if self.policy.is_none() {
+            return self.store.refund(refunds).await.is_ok();
+        }
+        let checks: Vec<Check<'_>> = refunds.iter().map(Refund::check).collect();
+        let mut all = true;
+        let mut unsent: Vec<Refund<'_>> = Vec::new();
+        for members in self.domain_groups(checks.iter().map(std::slice::from_ref)) {
+            let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
+            if deadline.passed() {
+                unsent.extend(group);
+                continue;
+            }
+            let group_checks: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
+            all &= self
+                .call_store("refund", &group_checks, deadline, self.store.refund(&group))
+                .await
+                .is_some();
+        }
+        if !unsent.is_empty() {
+            self.give_back_unsent(&unsent);
+        }
+        all
+    }
+
+    /// [`give_back`](Inner::give_back) in the background, within a deadline of its own (each
+    /// round sends at least one domain's refunds, so this ends).
+    fn give_back_unsent(&self, refunds: &[Refund<'_>]) {
         let owned: Vec<(crate::Rule, crate::Key, crate::Taken)> = refunds
             .iter()
             .map(|r| (r.rule.clone(), r.key.clone(), r.taken))
@@ -168,28 +168,10 @@ impl Inner {
                 .collect();
             if !me.give_back(&refunds, Deadline::after(me.deadline)).await {
                 tracing::warn!(
-                    "fleetlimit: could not give back permits after another slot failed; they stay taken until they expire"
+                    "fleetlimit: could not give back permits left unsent by a deadline; they stay taken until they expire"
                 );
             }
         });
-    }
-
-    /// Refunds, one store call per failure domain; false if any could not be made.
-    pub(super) async fn give_back(&self, refunds: &[Refund<'_>], deadline: Deadline) -> bool {
-        let checks: Vec<Check<'_>> = refunds.iter().map(Refund::check).collect();
-        if self.policy.is_none() {
-            return self.store.refund(refunds).await.is_ok();
-        }
-        let mut all = true;
-        for members in self.domain_groups(checks.iter().map(std::slice::from_ref)) {
-            let group: Vec<Refund<'_>> = members.iter().map(|&i| refunds[i]).collect();
-            let group_checks: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            all &= self
-                .call_store("refund", &group_checks, deadline, self.store.refund(&group))
-                .await
-                .is_some();
-        }
-        all
     }
 
     /// Indexes of `items` grouped by the failure domain their checks depend on.

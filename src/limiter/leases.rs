@@ -554,19 +554,21 @@ mod tests {
 
     const T0: u64 = 1_735_689_600_000_000;
 
+    /// Rule "hot": a fixed window of 100 a minute.
+    fn hot_rule() -> Rule {
+        let quota = crate::Quota::per_minute(100)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap();
+        Rule::new("hot", quota).unwrap()
+    }
+
     /// A limiter leasing rule "hot" from a memory store, on a manual clock; the store as peeked
     /// by a second, unleased limiter.
     fn fleet(config: LeaseConfig) -> (Limiter, Limiter, ManualClock) {
         let clock = ManualClock::new(T0);
         let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let rule = Rule::new(
-            "hot",
-            crate::Quota::per_minute(100)
-                .algorithm(Algorithm::FixedWindow)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
+        let rule = hot_rule();
         let leased = Limiter::builder(store.clone())
             .rule(rule.clone())
             .on_store_error(OnStoreError::fail_closed())
@@ -679,93 +681,6 @@ mod tests {
         assert_eq!(plain.peek(&key).await.unwrap().remaining, 88);
     }
 
-    /// The memory store across a link that takes `delay` per call.
-    struct Slow {
-        store: MemoryStore,
-        delay: Duration,
-    }
-
-    impl crate::store::sealed::Sealed for Slow {}
-
-    impl crate::store::Store for Slow {
-        fn apply<'a>(
-            &'a self,
-            op: Op,
-            checks: &'a [Check<'a>],
-        ) -> crate::store::BoxFuture<'a, Result<Vec<Decision>, crate::StoreError>> {
-            Box::pin(async move {
-                tokio::time::sleep(self.delay).await;
-                self.store.apply(op, checks).await
-            })
-        }
-        fn lease<'a>(
-            &'a self,
-            check: Check<'a>,
-            max_validity: Duration,
-        ) -> crate::store::BoxFuture<'a, Result<crate::store::Lease, crate::StoreError>> {
-            Box::pin(async move {
-                tokio::time::sleep(self.delay).await;
-                self.store.lease(check, max_validity).await
-            })
-        }
-        fn refund<'a>(
-            &'a self,
-            refunds: &'a [Refund<'a>],
-        ) -> crate::store::BoxFuture<'a, Result<Vec<Decision>, crate::StoreError>> {
-            Box::pin(async move {
-                tokio::time::sleep(self.delay).await;
-                self.store.refund(refunds).await
-            })
-        }
-        fn pause<'a>(
-            &'a self,
-            rule: &'a Rule,
-            key: &'a Key,
-            pause: Duration,
-        ) -> crate::store::BoxFuture<'a, Result<(), crate::StoreError>> {
-            self.store.pause(rule, key, pause)
-        }
-        fn paused_for<'a>(
-            &'a self,
-            rule: &'a Rule,
-            key: &'a Key,
-        ) -> crate::store::BoxFuture<'a, Result<Option<Duration>, crate::StoreError>> {
-            self.store.paused_for(rule, key)
-        }
-        fn set_listing<'a>(
-            &'a self,
-            key: &'a Key,
-            listing: Option<crate::store::Listing>,
-        ) -> crate::store::BoxFuture<'a, Result<(), crate::StoreError>> {
-            self.store.set_listing(key, listing)
-        }
-        fn listing<'a>(
-            &'a self,
-            key: &'a Key,
-        ) -> crate::store::BoxFuture<'a, Result<Option<crate::store::Listing>, crate::StoreError>>
-        {
-            self.store.listing(key)
-        }
-        fn reset<'a>(
-            &'a self,
-            rule: &'a Rule,
-            key: &'a Key,
-        ) -> crate::store::BoxFuture<'a, Result<(), crate::StoreError>> {
-            self.store.reset(rule, key)
-        }
-        fn slots<'a>(
-            &'a self,
-            op: crate::store::SlotOp,
-            name: &'a str,
-            key: &'a Key,
-            slot: u64,
-            limit: u64,
-            ttl: Duration,
-        ) -> crate::store::BoxFuture<'a, Result<(bool, u64), crate::StoreError>> {
-            self.store.slots(op, name, key, slot, limit, ttl)
-        }
-    }
-
     /// A spent leased key, a store 2 ms away, and 200 requests at once of costs 1 to 40 (the
     /// denial cache answers only costs it has seen): requests queued behind refills, each a
     /// store call, are decided by the store side by side once half their deadline has gone,
@@ -773,18 +688,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn requests_queued_behind_refills_are_decided_by_the_store() {
         let clock = ManualClock::new(T0);
-        let store = Slow {
+        let store = crate::store::testing::Link {
             store: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
             delay: Duration::from_millis(2),
+            lost_renewals: Default::default(),
         };
-        let rule = Rule::new(
-            "hot",
-            crate::Quota::per_minute(100)
-                .algorithm(Algorithm::FixedWindow)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
+        let rule = hot_rule();
         let leased = Limiter::builder(store)
             .rule(rule)
             .on_store_error(OnStoreError::FailOpen)

@@ -14,6 +14,8 @@ use crate::{Decision, Key, Rule, StoreError, Taken};
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(test)]
+pub(crate) mod testing;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};

@@ -144,7 +144,8 @@ enum Conn {
 /// longer (a cluster with a hung node, TLS across a slow link). Were the attempt the caller's
 /// own, every caller would abandon it and none would ever connect.
 struct Connector<C> {
-    current: parking_lot::Mutex<Option<C>>,
+    /// Read on every call: lock-free.
+    current: arc_swap::ArcSwapOption<C>,
     /// The attempt in flight: its outcome is published when it ends.
     attempt: parking_lot::Mutex<Option<Outcome<C>>>,
 }
@@ -154,14 +155,18 @@ type Outcome<C> = tokio::sync::watch::Receiver<Option<Result<C, StoreError>>>;
 impl<C: Clone + Send + Sync + 'static> Connector<C> {
     fn new() -> Arc<Connector<C>> {
         Arc::new(Connector {
-            current: parking_lot::Mutex::new(None),
+            current: arc_swap::ArcSwapOption::empty(),
             attempt: parking_lot::Mutex::new(None),
         })
     }
 
+    fn current(&self) -> Option<C> {
+        self.current.load().as_deref().cloned()
+    }
+
     /// Forget the connection (it failed): the next caller connects again.
     fn forget(&self) -> bool {
-        self.current.lock().take().is_some()
+        self.current.swap(None).is_some()
     }
 
     /// The connection, made by `connect` (within `limit`) if there is none and no attempt is
@@ -174,13 +179,13 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
     where
         F: std::future::Future<Output = Result<C, StoreError>> + Send + 'static,
     {
-        if let Some(conn) = self.current.lock().clone() {
+        if let Some(conn) = self.current() {
             return Ok(conn);
         }
         let (mut outcome, run) = {
             let mut attempt = self.attempt.lock();
             // Made while this caller waited for the lock: no second attempt.
-            if let Some(conn) = self.current.lock().clone() {
+            if let Some(conn) = self.current() {
                 return Ok(conn);
             }
             match attempt.as_ref() {
@@ -195,7 +200,7 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
                             .await
                             .unwrap_or(Err(StoreError::Timeout(limit)));
                         if let Ok(conn) = &result {
-                            *ends.0.current.lock() = Some(conn.clone());
+                            ends.0.current.store(Some(Arc::new(conn.clone())));
                         }
                         drop(ends);
                         let _ = publish.send(Some(result));
