@@ -477,7 +477,8 @@ async fn a_block_earned_on_a_slow_store_keeps_the_requests_deadline() {
     let took = started.elapsed();
     assert!(!earning.allowed);
     assert!(
-        took < deadline + Duration::from_millis(100),
+        // A margin for a loaded machine, well short of a second deadline.
+        took < deadline + Duration::from_millis(250),
         "the refusal that earned a block took {took:?}, past its {deadline:?} deadline"
     );
     // And it did earn one: the block reaches the store (across the slow link).

@@ -317,7 +317,10 @@ fn a_leased_key_decides_without_allocating() {
 
     // Take the first block with the runtime driving the store; from then on the key is
     // decided from the block, in the call.
-    let hot = limiter("hot", 10_000_000, Duration::from_secs(60));
+    // A day's period: the default sliding window ends a block with its sub-window (a
+    // twentieth of the period), and one ending while this test counts would make the next
+    // request wait for a refill.
+    let hot = limiter("hot", 10_000_000, Duration::from_secs(86_400));
     let mut leased = with_layer(hot.clone());
     runtime.block_on(async {
         // Hot enough to be promoted at the default rate, then one more to take a block.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fleetlimit::store::RedisStore;
-use fleetlimit::{Algorithm, Key, Limiter, OnStoreError, Quota, Rule};
+use fleetlimit::{Algorithm, Key, Limiter, ManualClock, OnStoreError, Quota, Rule};
 use support::redis::RedisCluster;
 
 const KEYS: usize = 200;
@@ -120,7 +120,13 @@ fn rules(limit: u64) -> [Rule; 2] {
 async fn fleet(cluster: &RedisCluster, limit: u64) -> Vec<Limiter> {
     let mut fleet = Vec::new();
     for _ in 0..2 {
-        let store = RedisStore::cluster(&cluster.urls()).await.unwrap();
+        // A clock that stands still (both instances on the same time): on Redis's own clock a
+        // run across an hour's boundary would give every key its limit again.
+        let store = RedisStore::builder()
+            .clock(ManualClock::default())
+            .cluster(&cluster.urls())
+            .await
+            .unwrap();
         let [a, b] = rules(limit);
         fleet.push(
             Limiter::builder(store)
@@ -353,12 +359,15 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
     let recovery = last_degraded.map_or(Duration::ZERO, |t| t.duration_since(killed));
     // What the promoted replica counts, against what the store acknowledged.
     let probe = &fleet[0];
-    let (mut acknowledged, mut counted) = (0u64, 0u64);
+    // A call abandoned at the deadline may still have run and been replicated: counted, not
+    // acknowledged.
+    let (mut acknowledged, mut abandoned, mut counted) = (0u64, 0u64, 0u64);
     for (k, key) in keys.iter().enumerate() {
         if !on_victim[k] {
             continue;
         }
         acknowledged += before.admitted[k] + out.admitted[k];
+        abandoned += (before.degraded[k].len() + out.degraded[k].len()) as u64;
         counted += 1_000_000 - probe.peek(key).await.unwrap().remaining;
     }
     let lost = acknowledged.saturating_sub(counted);
@@ -388,5 +397,8 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
         recovery < Duration::from_secs(6),
         "recovered only after {recovery:?}"
     );
-    assert!(counted <= acknowledged);
+    assert!(
+        counted <= acknowledged + abandoned,
+        "{counted} counted, {acknowledged} acknowledged, {abandoned} abandoned"
+    );
 }

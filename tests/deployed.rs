@@ -132,6 +132,13 @@ async fn rediss_with_our_ca_and_mutual_tls() {
         .await
         .unwrap();
     assert!(consume(&store, "tls").await.unwrap());
+    // The count is on the server (read over the plain port, before the timings below let the
+    // hour's window end).
+    let key = store.key_for(&rule(10), &Key::new("tls"));
+    assert_eq!(
+        server.cmd_bytes(&[b"HGET", &key, b"c"]).unwrap().as_int(),
+        Some(1)
+    );
     // What TLS costs per decision, beside the plain port of the same server (printed, not
     // asserted: timings are the machine's).
     let plain = RedisStore::connect(&server.url()).await.unwrap();
@@ -144,12 +151,6 @@ async fn rediss_with_our_ca_and_mutual_tls() {
         timings.push((name, started.elapsed() / 500));
     }
     eprintln!("decision round trip, same server: {timings:?}");
-    // The count is on the server (read over the plain port).
-    let key = store.key_for(&rule(10), &Key::new("tls"));
-    assert_eq!(
-        server.cmd_bytes(&[b"HGET", &key, b"c"]).unwrap().as_int(),
-        Some(1)
-    );
     // Without our CA the server's certificate is not trusted: no decision.
     let untrusting = RedisStore::builder().connect(&url).await.unwrap();
     assert!(consume(&untrusting, "tls").await.is_err());
@@ -264,7 +265,9 @@ async fn sentinel_failover_under_load() {
         );
     };
     after.extend(run(limiter.clone(), Instant::now() + Duration::from_millis(300)).await);
-    let deadline = fleetlimit::DEFAULT_DEADLINE + Duration::from_millis(100);
+    // The margin is for a loaded 2-core machine's scheduling; a decision that waited on the
+    // dead master until a connect timeout would take seconds.
+    let deadline = fleetlimit::DEFAULT_DEADLINE + Duration::from_millis(250);
     for (_, waited, d) in &after {
         assert!(*waited <= deadline, "a decision waited {waited:?}");
         assert!(
@@ -276,6 +279,9 @@ async fn sentinel_failover_under_load() {
         .iter()
         .filter(|(_, _, d)| d.source == Source::Store)
         .count() as u64;
+    // A call abandoned at the deadline may still have run on the master and been replicated:
+    // those are counted but not acknowledged.
+    let abandoned = after.iter().filter(|(_, _, d)| d.degraded).count() as u64;
     let counted = 1_000_000 - limiter.peek(&key).await.unwrap().remaining;
     let lost = acknowledged.saturating_sub(counted);
     eprintln!(
@@ -283,7 +289,7 @@ async fn sentinel_failover_under_load() {
     );
     assert!(recovered < Duration::from_secs(15), "{recovered:?}");
     assert!(
-        counted <= acknowledged,
-        "the new master counts what was admitted, at most"
+        counted <= acknowledged + abandoned,
+        "the new master counts what was admitted, and what was abandoned at the deadline, at most"
     );
 }

@@ -98,6 +98,25 @@ fn stop_flag() -> Arc<std::sync::atomic::AtomicBool> {
     Arc::new(std::sync::atomic::AtomicBool::new(false))
 }
 
+/// The runtime's live tasks fall back to at most one more than `before` (a connection task),
+/// within a second: tasks that end are reaped by a worker, later on a loaded machine.
+async fn assert_tasks_settle(before: usize) {
+    let started = Instant::now();
+    loop {
+        let now = tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks();
+        if now <= before + 1 {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{before} → {now} tasks"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn assert_within_deadline(samples: &[Sample]) {
     let worst = samples.iter().map(|s| s.took).max().unwrap_or_default();
     assert!(
@@ -130,14 +149,7 @@ async fn kill_mid_load(policy: OnStoreError) -> (Vec<Sample>, Instant, Limiter) 
     assert!(stats.breaker_opened >= 1, "{stats:?}");
     assert!(stats.degraded_decisions > 0, "{stats:?}");
     // Nothing we started is left running (the connection manager's own tasks excepted).
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let tasks_after = tokio::runtime::Handle::current()
-        .metrics()
-        .num_alive_tasks();
-    assert!(
-        tasks_after <= tasks_before + 1,
-        "{tasks_before} → {tasks_after} tasks"
-    );
+    assert_tasks_settle(tasks_before).await;
     (samples, killed, limiter)
 }
 
@@ -225,7 +237,8 @@ async fn paused_redis_keeps_the_deadline_and_traffic_returns_after_sigcont() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     server.pause();
     tokio::time::sleep(Duration::from_millis(1_000)).await;
-    assert!(limiter.stats().open_breakers >= 1, "{:?}", limiter.stats());
+    // Opened (a snapshot of the open breakers could fall in a cool-down's probe).
+    assert!(limiter.stats().breaker_opened >= 1, "{:?}", limiter.stats());
     server.resume();
     let resumed = Instant::now();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
@@ -244,7 +257,8 @@ async fn paused_redis_keeps_the_deadline_and_traffic_returns_after_sigcont() {
         "{:?}",
         back - resumed
     );
-    let back_for_good = back + DEADLINE;
+    // Calls queued while Redis was stopped may still be answered late just after it.
+    let back_for_good = back + DEADLINE + MARGIN;
     assert!(samples
         .iter()
         .filter(|s| s.started >= back_for_good)
@@ -366,9 +380,21 @@ async fn soak_kill_restart_cycles() {
         let stop = stop_flag();
         let running = load(limiter.clone(), 8, 64, stop.clone());
         tokio::time::sleep(Duration::from_millis(400)).await;
-        server.kill();
+        // Killing and restarting wait on the process: off the runtime's two workers, which
+        // the load needs.
+        server = tokio::task::spawn_blocking(move || {
+            server.kill();
+            server
+        })
+        .await
+        .unwrap();
         tokio::time::sleep(Duration::from_millis(400)).await;
-        server.restart();
+        server = tokio::task::spawn_blocking(move || {
+            server.restart();
+            server
+        })
+        .await
+        .unwrap();
         tokio::time::sleep(Duration::from_millis(800)).await;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let samples = tokio::time::timeout(Duration::from_secs(10), running)
@@ -393,14 +419,7 @@ async fn soak_kill_restart_cycles() {
     assert!(total > 2_000, "{total} decisions");
     let grown = rss().saturating_sub(rss_after_first);
     assert!(grown < 32 << 20, "resident memory grew by {grown} bytes");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let tasks_after = tokio::runtime::Handle::current()
-        .metrics()
-        .num_alive_tasks();
-    assert!(
-        tasks_after <= tasks_before + 1,
-        "{tasks_before} → {tasks_after} tasks"
-    );
+    assert_tasks_settle(tasks_before).await;
 }
 
 /// Decisions the outage policy made counted nothing, so a refund of them must give nothing: fail

@@ -155,7 +155,8 @@ async fn critical_requests_get_through_an_overload_and_recovery_is_gradual() {
     }
     for pair in levels[1..].windows(2) {
         assert!(
-            pair[1].0 - pair[0].0 >= Duration::from_millis(900),
+            // A step a second apart, each seen up to a poll late on a loaded machine.
+            pair[1].0 - pair[0].0 >= Duration::from_millis(800),
             "not a cliff: {levels:?}"
         );
     }
@@ -177,7 +178,9 @@ async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
             .build()
             .unwrap();
         apps.push(
-            slow_app(400).layer(
+            // Handlers long enough that every best-effort request holds its slot when the
+            // others arrive, 300 ms later, on a loaded machine too.
+            slow_app(1_000).layer(
                 LoadShedLayer::builder(classify)
                     .fleet(FleetUsage::new(slots))
                     .build()
@@ -199,7 +202,7 @@ async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
     let best_effort: Vec<_> = (0..12)
         .map(|i| tokio::spawn(call(apps[i % 2].clone(), "best-effort")))
         .collect();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let normal = tokio::spawn(call(apps[0].clone(), "normal"));
     let critical = tokio::spawn(call(apps[1].clone(), "critical"));
     let mut admitted = 0;
