@@ -50,34 +50,43 @@ pub struct OutboundLayer {
     limiter: Limiter,
     key: Arc<KeyFn>,
     max_wait: Duration,
+    max_pause: Duration,
 }
+
+/// The longest pause one answer sets by default: a destination (or a proxy in front of it) that
+/// names a wait of weeks, or sends a reset in milliseconds where seconds are meant, would
+/// otherwise stop the whole fleet that long.
+pub const DEFAULT_MAX_PAUSE: Duration = Duration::from_secs(600);
 
 impl std::fmt::Debug for OutboundLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OutboundLayer")
             .field("limiter", &self.limiter)
+            .field("max_pause", &self.max_pause)
             .field("max_wait", &self.max_wait)
             .finish_non_exhaustive()
     }
 }
 
 impl OutboundLayer {
-    /// Calls through `limiter`'s rules, keyed by the request URI's host and port, waiting at
-    /// most 1 s for a turn.
+    /// Calls through `limiter`'s rules, keyed by the request URI's host and port (the scheme's
+    /// port when none is written, so `https://p.example/` and `https://p.example:443/` share
+    /// one quota), waiting at most 1 s for a turn; a pushback pauses the destination for at
+    /// most [`DEFAULT_MAX_PAUSE`].
     pub fn new(limiter: Limiter) -> Self {
         OutboundLayer {
             limiter,
-            key: Arc::new(|parts: &http::request::Parts| {
-                Key::new(
-                    parts
-                        .uri
-                        .authority()
-                        .map_or("", |a| a.as_str())
-                        .to_ascii_lowercase(),
-                )
-            }),
+            key: Arc::new(|parts: &http::request::Parts| destination(&parts.uri)),
             max_wait: Duration::from_secs(1),
+            max_pause: DEFAULT_MAX_PAUSE,
         }
+    }
+
+    /// The longest pause one answer of the destination can set (default
+    /// [`DEFAULT_MAX_PAUSE`]); a longer pushback pauses this long, and the next call asks again.
+    pub fn max_pause(mut self, max_pause: Duration) -> Self {
+        self.max_pause = max_pause;
+        self
     }
 
     /// Key calls by `key` instead (an account at the destination, an endpoint...).
@@ -144,15 +153,18 @@ where
                 .call(Request::from_parts(parts, body))
                 .await
                 .map_err(Into::into)?;
-            if let Some(pause) = pushback(response.status(), response.headers(), SystemTime::now())
-            {
+            let pause = pushback(response.status(), response.headers(), SystemTime::now())
+                .map(|pause| pause.min(layer.max_pause))
+                .filter(|pause| !pause.is_zero());
+            if let Some(pause) = pause {
                 tracing::info!(
                     pause = ?pause,
                     status = response.status().as_u16(),
                     "fleetlimit: the destination pushed back; pausing its quota for the fleet"
                 );
-                // A failed pause leaves the quota as it is: the destination will say it again.
-                let _ = layer.limiter.pause(&key, pause).await;
+                // Only ever longer: another instance's answer may have asked for more. A failed
+                // pause leaves the quota as it is: the destination will say it again.
+                let _ = layer.limiter.pause_at_least(&key, pause).await;
             }
             Ok(response)
         })
@@ -193,6 +205,24 @@ impl OutboundLayer {
     }
 }
 
+/// The default outbound key: the destination's host, lowercased, and port, the scheme's default
+/// when none is written (user information is left out).
+fn destination(uri: &http::Uri) -> Key {
+    let Some(host) = uri.host() else {
+        return Key::new("");
+    };
+    let port = uri.port_u16().or(match uri.scheme_str() {
+        Some(s) if s.eq_ignore_ascii_case("https") || s.eq_ignore_ascii_case("wss") => Some(443),
+        Some(s) if s.eq_ignore_ascii_case("http") || s.eq_ignore_ascii_case("ws") => Some(80),
+        _ => None,
+    });
+    let host = host.to_ascii_lowercase();
+    Key::new(match port {
+        Some(port) => format!("{host}:{port}"),
+        None => host,
+    })
+}
+
 /// How long the destination asks the fleet to stop, from its answer: a 429 or 503 with
 /// `Retry-After` (seconds or an HTTP date), or rate-limit headers saying nothing is left
 /// (`RateLimit: ...;r=0;t=N`, `RateLimit-Remaining: 0` with `RateLimit-Reset: N`, or the same
@@ -220,14 +250,21 @@ pub fn pushback(status: StatusCode, headers: &HeaderMap, now: SystemTime) -> Opt
             }
         }
     }
-    // IETF draft: `RateLimit: "policy";r=0;t=5` (remaining r, reset t seconds).
+    // IETF draft: `RateLimit: "policy";r=0;t=5` (remaining r, reset t seconds), one item per
+    // policy: the longest reset of those with nothing left.
     if let Some(v) = text("ratelimit") {
-        let param = |name: &str| {
-            v.split([';', ','])
-                .filter_map(|p| p.trim().strip_prefix(name)?.strip_prefix('='))
-                .find_map(|n| n.trim().parse::<u64>().ok())
-        };
-        if let (Some(0), Some(t)) = (param("r"), param("t")) {
+        let exhausted = v.split(',').filter_map(|item| {
+            let param = |name: &str| {
+                item.split(';')
+                    .filter_map(|p| p.trim().strip_prefix(name)?.strip_prefix('='))
+                    .find_map(|n| n.trim().parse::<u64>().ok())
+            };
+            match (param("r"), param("t")) {
+                (Some(0), Some(t)) => Some(t),
+                _ => None,
+            }
+        });
+        if let Some(t) = exhausted.max() {
             return Some(Duration::from_secs(t));
         }
     }
@@ -235,16 +272,19 @@ pub fn pushback(status: StatusCode, headers: &HeaderMap, now: SystemTime) -> Opt
         let remaining = text(&format!("{prefix}remaining")).and_then(|v| v.parse::<u64>().ok());
         let reset = text(&format!("{prefix}reset")).and_then(|v| v.parse::<u64>().ok());
         if let (Some(0), Some(reset)) = (remaining, reset) {
-            // Some services send the reset as a Unix time rather than a delay.
+            // Some services send the reset as a Unix time rather than a delay, in seconds or
+            // in milliseconds.
             let epoch = now
                 .duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            let delay = if reset > 1_000_000_000 {
-                reset.saturating_sub(epoch)
+                .unwrap_or(Duration::ZERO);
+            let delay = if reset > 1_000_000_000_000 {
+                Duration::from_millis(reset).saturating_sub(epoch)
+            } else if reset > 1_000_000_000 {
+                Duration::from_secs(reset).saturating_sub(epoch)
             } else {
-                reset
+                Duration::from_secs(reset)
             };
-            return Some(Duration::from_secs(delay));
+            return Some(delay);
         }
     }
     None
@@ -270,7 +310,7 @@ mod tests {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
         let too_many = StatusCode::TOO_MANY_REQUESTS;
         type Case<'a> = (StatusCode, &'a [(&'a str, &'a str)], Option<u64>);
-        let cases: [Case<'_>; 9] = [
+        let cases: [Case<'_>; 12] = [
             (too_many, &[("retry-after", "2")], Some(2)),
             (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -299,10 +339,45 @@ mod tests {
                 &[("x-ratelimit-remaining", "5"), ("x-ratelimit-reset", "9")],
                 None,
             ),
+            // A reset as a Unix time in milliseconds.
+            (
+                StatusCode::OK,
+                &[
+                    ("x-ratelimit-remaining", "0"),
+                    ("x-ratelimit-reset", "1800000009000"),
+                ],
+                Some(9),
+            ),
+            // Several policies: the exhausted one, wherever it is in the list.
+            (
+                StatusCode::OK,
+                &[("ratelimit", "\"sec\";r=5;t=1, \"day\";r=0;t=3600")],
+                Some(3600),
+            ),
+            (
+                StatusCode::OK,
+                &[("ratelimit", "\"a\";r=0;t=2, \"b\";r=1;t=50, \"c\";r=0;t=9")],
+                Some(9),
+            ),
         ];
         for (status, pairs, expected) in cases {
             let got = pushback(status, &headers(pairs), now);
             assert_eq!(got, expected.map(Duration::from_secs), "{status} {pairs:?}");
         }
+    }
+
+    #[test]
+    fn one_destination_is_one_key_however_it_is_written() {
+        let key = |uri: &str| destination(&uri.parse().unwrap());
+        let api = Key::new("api.p.example:443");
+        assert_eq!(key("https://api.p.example/v1"), api);
+        assert_eq!(key("https://API.p.example:443/v1"), api);
+        assert_eq!(key("https://user:secret@api.p.example/v1"), api);
+        assert_eq!(key("http://api.p.example/"), Key::new("api.p.example:80"));
+        assert_eq!(
+            key("http://api.p.example:8080/"),
+            Key::new("api.p.example:8080")
+        );
+        assert_eq!(key("/relative"), Key::new(""));
     }
 }

@@ -407,6 +407,76 @@ async fn the_penalty_box_leaves_listings_and_shared_keys_alone() {
     .await;
 }
 
+/// The penalty box's block is decided and set in one step in the store: an allow-list or
+/// deny-list entry, or a block ending later, stands (an operator's entry made on another
+/// instance between a read and a write would otherwise be replaced, and a deny-listed key
+/// freed when the block ends). On both stores.
+#[tokio::test]
+async fn a_penalty_block_never_replaces_an_entry_that_says_more() {
+    use fleetlimit::store::Store;
+    let clock = ManualClock::new(T0);
+    let server = RedisServer::start();
+    let stores: Vec<(&str, Box<dyn Store>)> = vec![
+        (
+            "memory",
+            Box::new(MemoryStore::builder().clock(clock.clone()).build().unwrap()),
+        ),
+        (
+            "redis",
+            Box::new(
+                RedisStore::builder()
+                    .clock(clock.clone())
+                    .connect(&server.url())
+                    .await
+                    .unwrap(),
+            ),
+        ),
+    ];
+    let minute = Duration::from_secs(60);
+    for (name, store) in &stores {
+        for (entry, stands) in [
+            (Listing::Deny, true),
+            (Listing::Allow, true),
+            (Listing::Block(2 * minute), true),
+            (Listing::Block(minute), true),
+            (Listing::Block(Duration::from_secs(5)), false),
+        ] {
+            let key = Key::new(format!("{entry:?}"));
+            store.set_listing(&key, Some(entry)).await.unwrap();
+            let set = store.block_unless_listed(&key, minute).await.unwrap();
+            assert_eq!(set, !stands, "{name}: over {entry:?}");
+            let expected = if stands {
+                entry
+            } else {
+                Listing::Block(minute)
+            };
+            assert_eq!(
+                store.listing(&key).await.unwrap(),
+                Some(expected),
+                "{name}: over {entry:?}"
+            );
+        }
+        let unlisted = Key::new("unlisted");
+        assert!(store.block_unless_listed(&unlisted, minute).await.unwrap());
+        assert_eq!(
+            store.listing(&unlisted).await.unwrap(),
+            Some(Listing::Block(minute)),
+            "{name}"
+        );
+        // A block that ended is no entry.
+        let ended = Key::new("ended");
+        store
+            .set_listing(&ended, Some(Listing::Block(Duration::from_secs(1))))
+            .await
+            .unwrap();
+        clock.advance(Duration::from_secs(2));
+        assert!(
+            store.block_unless_listed(&ended, minute).await.unwrap(),
+            "{name}"
+        );
+    }
+}
+
 /// A loopback proxy to `upstream` that holds every chunk a client sends for `delay`: Redis
 /// across a slow link. Ends when the test's runtime does.
 async fn slow_link(upstream: String, delay: Duration) -> String {

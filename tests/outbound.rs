@@ -207,3 +207,82 @@ async fn a_partners_pushback_stops_the_whole_fleet_until_then() {
     assert_eq!(during, 0, "the fleet kept calling during the pause");
     assert!(after > 0, "calls resumed after the pause");
 }
+
+/// A destination's answer pauses the fleet at most `max_pause` (a wait of weeks, or a reset in
+/// the wrong unit, would otherwise stop every instance that long), and only ever lengthens a
+/// pause: a shorter answer to a call already on its way never cuts the pause another instance
+/// was told. On the memory store and on Redis.
+#[tokio::test]
+async fn pushback_is_bounded_and_never_shortens_a_pause() {
+    let server = RedisServer::start();
+    let rule = || {
+        Rule::new(
+            "partner",
+            Quota::per_second(RATE)
+                .algorithm(Algorithm::Gcra)
+                .build()
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let memory = Limiter::builder(MemoryStore::new())
+        .rule(rule())
+        .build()
+        .unwrap();
+    let redis = Limiter::builder(RedisStore::connect(&server.url()).await.unwrap())
+        .rule(rule())
+        .on_store_error(OnStoreError::fail_closed())
+        .build()
+        .unwrap();
+    for (name, limiter) in [("memory", memory), ("redis", redis)] {
+        let key = fleetlimit::Key::new("p.example:443");
+        // The destination answers `retry_after`, after another instance was told `first`.
+        let call = |first: Option<Duration>, retry_after: &'static str| {
+            let other_instance = limiter.clone();
+            let destination = tower::service_fn(move |_: http::Request<()>| {
+                let limiter = other_instance.clone();
+                async move {
+                    if let Some(first) = first {
+                        limiter
+                            .pause_at_least(&fleetlimit::Key::new("p.example:443"), first)
+                            .await
+                            .unwrap();
+                    }
+                    Ok::<_, std::convert::Infallible>(
+                        http::Response::builder()
+                            .status(http::StatusCode::TOO_MANY_REQUESTS)
+                            .header("retry-after", retry_after)
+                            .body(())
+                            .unwrap(),
+                    )
+                }
+            });
+            ServiceBuilder::new()
+                .layer(OutboundLayer::new(limiter.clone()))
+                .service(destination)
+                .oneshot(http::Request::get("https://p.example/").body(()).unwrap())
+        };
+        call(None, "4294967295").await.unwrap();
+        let paused = limiter.paused_for(&key).await.expect("paused");
+        let max = fleetlimit::outbound::DEFAULT_MAX_PAUSE;
+        assert!(
+            paused <= max && paused > max - Duration::from_secs(5),
+            "{name}: paused {paused:?}"
+        );
+        limiter.pause(&key, Duration::ZERO).await.unwrap();
+        // Lifted (Redis keeps a zero pause for its shortest, 1 ms).
+        let left = limiter.paused_for(&key).await;
+        assert!(
+            left.is_none_or(|left| left <= Duration::from_millis(1)),
+            "{name}: {left:?}"
+        );
+        // A shorter answer, in flight while another instance was told a minute.
+        call(Some(Duration::from_secs(60)), "1").await.unwrap();
+        let paused = limiter.paused_for(&key).await.expect("paused");
+        assert!(
+            paused > Duration::from_secs(55),
+            "{name}: cut to {paused:?}"
+        );
+        limiter.pause(&key, Duration::ZERO).await.unwrap();
+    }
+}

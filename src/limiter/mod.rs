@@ -508,6 +508,19 @@ impl Limiter {
         Ok(())
     }
 
+    /// [`pause`](Limiter::pause), unless a pause in force ends later (per rule, in one step in
+    /// the store): what several instances told to stop, each for its own time, agree on. The
+    /// outbound layer pauses this way.
+    pub async fn pause_at_least(&self, key: &Key, pause: Duration) -> Result<(), Error> {
+        let deadline = self.inner.deadline;
+        for rule in self.inner.rules.load_full().iter() {
+            tokio::time::timeout(deadline, self.inner.store.extend_pause(rule, key, pause))
+                .await
+                .map_err(|_| StoreError::Timeout(deadline))??;
+        }
+        Ok(())
+    }
+
     /// How long `key` stays paused (the longest over its rules); `None` when it is not, or when
     /// the store cannot say within the deadline (the decision that follows goes through the
     /// outage policy anyway).
@@ -1124,21 +1137,11 @@ impl Inner {
     /// allow-list entry, or a block that ends later, is never shortened or replaced. False
     /// when the store could not say or set it.
     async fn penalise(&self, key: &Key, block: Duration) -> bool {
-        let stands = match self.store.listing(key).await {
-            Ok(Some(Listing::Deny | Listing::Allow)) => true,
-            Ok(Some(Listing::Block(left))) => left >= block,
-            Ok(_) => false,
-            Err(_) => return false,
-        };
-        if stands {
-            return true;
-        }
-        match self
-            .store
-            .set_listing(key, Some(Listing::Block(block)))
-            .await
-        {
-            Ok(()) => {
+        // One step in the store: an operator's entry made meanwhile, from any instance, is
+        // never overwritten by a block read as missing a moment before.
+        match self.store.block_unless_listed(key, block).await {
+            Ok(false) => true,
+            Ok(true) => {
                 if let Some(denials) = &self.denials {
                     denials.forget(key);
                 }

@@ -98,6 +98,11 @@ enum Listed {
     Until(u64),
 }
 
+/// When a block of `block` set at `now` ends.
+fn block_end(now: u64, block: Duration) -> u64 {
+    now.saturating_add(block.as_micros().min(u128::from(u64::MAX / 2)) as u64)
+}
+
 /// `d` turned into a refusal for at least `wait` (a rule's own longer wait stands), taking
 /// nothing.
 fn refused(mut d: Decision, wait: Duration) -> Decision {
@@ -434,6 +439,20 @@ impl Inner {
     fn shard_of(&self, hash: u64) -> usize {
         // The low bits pick the bucket inside the table; use the high bits for the shard.
         (hash >> 48) as usize & (self.shards.len() - 1)
+    }
+
+    /// Pause `key` under `rule` for `pause` (at most about 49 days, as the Redis store keeps
+    /// them; a zero pause lifts one), or, when `extend`, only if that ends later.
+    fn pause(&self, rule: &Rule, key: &Key, pause: Duration, extend: bool) {
+        let now = self.clock.now_us();
+        let us = pause.as_micros().min(u128::from(u32::MAX) * 1000) as u64;
+        let until = now.saturating_add(us);
+        let mut pauses = self.pauses.lock();
+        pauses.retain(|_, until| *until > now);
+        let held = pauses
+            .entry((rule.shared_name().clone(), key.clone()))
+            .or_insert(until);
+        *held = if extend { until.max(*held) } else { until };
     }
 
     fn apply(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
@@ -1111,13 +1130,17 @@ impl Store for MemoryStore {
         key: &'a Key,
         pause: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let now = self.inner.clock.now_us();
-        // At most about 49 days, as the Redis store keeps them (a zero pause lifts one).
-        let us = pause.as_micros().min(u128::from(u32::MAX) * 1000) as u64;
-        let until = now.saturating_add(us);
-        let mut pauses = self.inner.pauses.lock();
-        pauses.retain(|_, until| *until > now);
-        pauses.insert((rule.shared_name().clone(), key.clone()), until);
+        self.inner.pause(rule, key, pause, false);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn extend_pause<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.pause(rule, key, pause, true);
         Box::pin(std::future::ready(Ok(())))
     }
 
@@ -1136,15 +1159,33 @@ impl Store for MemoryStore {
                 let held = match l {
                     Listing::Allow => Listed::Allow,
                     Listing::Deny => Listed::Deny,
-                    Listing::Block(d) => Listed::Until(
-                        now.saturating_add(d.as_micros().min(u128::from(u64::MAX / 2)) as u64),
-                    ),
+                    Listing::Block(d) => Listed::Until(block_end(now, d)),
                 };
                 listings.insert(key.clone(), held);
             }
         }
         self.inner.settle_listings(&mut listings, now);
         Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn block_unless_listed<'a>(
+        &'a self,
+        key: &'a Key,
+        block: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let now = self.inner.clock.now_us();
+        let until = block_end(now, block);
+        let mut listings = self.inner.listings.lock();
+        let stands = match listings.get(key) {
+            Some(Listed::Allow | Listed::Deny) => true,
+            Some(Listed::Until(t)) => *t > now && *t >= until,
+            None => false,
+        };
+        if !stands {
+            listings.insert(key.clone(), Listed::Until(until));
+            self.inner.settle_listings(&mut listings, now);
+        }
+        Box::pin(std::future::ready(Ok(!stands)))
     }
 
     fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {

@@ -199,6 +199,16 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
         pause: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 
+    /// [`pause`](Store::pause), unless a pause in force ends later: a pause only grows.
+    /// Decided and set in one step, so a shorter pushback racing a longer one, from another
+    /// instance, never cuts it.
+    fn extend_pause<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
     /// How long `key` under `rule` stays paused; `None` when it is not.
     fn paused_for<'a>(
         &'a self,
@@ -229,6 +239,16 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
 
     /// `key`'s entry, if it has one in force (a block that ended has none).
     fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>>;
+
+    /// Block `key` for `block` (the penalty box), unless its entry already says as much: an
+    /// allow-list or deny-list entry, or a block that ends later, stands. True when this call
+    /// set the block. Decided and set in one step, so an operator's entry made meanwhile, on any
+    /// instance, is never replaced.
+    fn block_unless_listed<'a>(
+        &'a self,
+        key: &'a Key,
+        block: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     /// Forget `rule`'s state for `key`: the key starts afresh under that rule.
     fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>>;

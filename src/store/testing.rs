@@ -67,6 +67,15 @@ impl Store for Link {
         self.store.pause(rule, key, pause)
     }
 
+    fn extend_pause<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.store.extend_pause(rule, key, pause)
+    }
+
     fn paused_for<'a>(
         &'a self,
         rule: &'a Rule,
@@ -85,6 +94,14 @@ impl Store for Link {
 
     fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         self.store.listing(key)
+    }
+
+    fn block_unless_listed<'a>(
+        &'a self,
+        key: &'a Key,
+        block: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.store.block_unless_listed(key, block)
     }
 
     fn reset<'a>(&'a self, rule: &'a Rule, key: &'a Key) -> BoxFuture<'a, Result<(), StoreError>> {

@@ -66,6 +66,10 @@ fn by_listing(anchor: i64) -> ByListing {
 /// Reads and sets a key's listing (`listing.lua`); admin calls are rare, so it is sent whole.
 const LISTING_SCRIPT: &str = include_str!("listing.lua");
 
+/// A pause that only grows: set unless the one in force ends later.
+const EXTEND_PAUSE_SCRIPT: &str = "if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then \
+     redis.call('SET', KEYS[1], 1, 'PX', ARGV[1]) end return 1";
+
 /// Concurrency slots (`slots.lua`), sent whole with `EVAL` (one command on every kind of
 /// connection, cluster included).
 const SLOTS_SCRIPT: &str = include_str!("slots.lua");
@@ -104,6 +108,7 @@ struct Inner {
     /// The hashes of the small scripts (listings, concurrency slots), run with EVALSHA.
     listing_hash: Box<str>,
     slots_hash: Box<str>,
+    extend_pause_hash: Box<str>,
     prefix: Box<str>,
     connect_timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
@@ -381,6 +386,7 @@ impl RedisStoreBuilder {
                 script: Script::new(SCRIPT),
                 listing_hash: Script::new(LISTING_SCRIPT).get_hash().into(),
                 slots_hash: Script::new(SLOTS_SCRIPT).get_hash().into(),
+                extend_pause_hash: Script::new(EXTEND_PAUSE_SCRIPT).get_hash().into(),
                 prefix: self.prefix.into(),
                 connect_timeout: self.connect_timeout,
                 clock: self.clock,
@@ -1069,26 +1075,36 @@ impl Inner {
         }
     }
 
-    /// Run the listing script for `key`: `op` ('get', 'allow', 'deny', 'block', 'clear').
+    /// Run the listing script for `key`: `op` ('get', 'allow', 'deny', 'block', 'clear',
+    /// 'penalty'); the listing's kind as the script names it, and the µs left of a block.
+    async fn listing_script(
+        &self,
+        key: &Key,
+        op: &str,
+        block_us: u64,
+    ) -> Result<(String, i64), StoreError> {
+        let listing_key = listing_key(&self.prefix, key);
+        let now = self.clock.as_ref().map(|c| c.now_us());
+        self.run_script((LISTING_SCRIPT, &self.listing_hash), |cmd| {
+            cmd.arg(1).arg(&listing_key).arg(op);
+            arg_now(cmd, now);
+            cmd.arg(block_us);
+        })
+        .await
+    }
+
+    /// The listing script's `op` for `key`, and the listing in force after it.
     async fn listing(
         &self,
         key: &Key,
         op: &str,
         block_us: u64,
     ) -> Result<Option<Listing>, StoreError> {
-        let listing_key = listing_key(&self.prefix, key);
-        let now = self.clock.as_ref().map(|c| c.now_us());
-        let (kind, left_us): (String, i64) = self
-            .run_script((LISTING_SCRIPT, &self.listing_hash), |cmd| {
-                cmd.arg(1).arg(&listing_key).arg(op);
-                arg_now(cmd, now);
-                cmd.arg(block_us);
-            })
-            .await?;
+        let (kind, left_us) = self.listing_script(key, op, block_us).await?;
         Ok(match kind.as_str() {
             "allow" => Some(Listing::Allow),
             "deny" => Some(Listing::Deny),
-            "block" => Some(Listing::Block(Duration::from_micros(
+            "block" | "penalty" => Some(Listing::Block(Duration::from_micros(
                 u64::try_from(left_us).unwrap_or(0),
             ))),
             _ => None,
@@ -1251,6 +1267,27 @@ impl Store for RedisStore {
         })
     }
 
+    fn extend_pause<'a>(
+        &'a self,
+        rule: &'a Rule,
+        key: &'a Key,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let ms = pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64;
+            let pause_key = self.inner.pause_key(rule, key);
+            self.inner
+                .run_script::<i64>(
+                    (EXTEND_PAUSE_SCRIPT, &self.inner.extend_pause_hash),
+                    |cmd| {
+                        cmd.arg(1).arg(&pause_key).arg(ms);
+                    },
+                )
+                .await
+                .map(|_| ())
+        })
+    }
+
     fn paused_for<'a>(
         &'a self,
         rule: &'a Rule,
@@ -1288,6 +1325,18 @@ impl Store for RedisStore {
 
     fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         Box::pin(self.inner.listing(key, "get", 0))
+    }
+
+    fn block_unless_listed<'a>(
+        &'a self,
+        key: &'a Key,
+        block: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let block_us = block.as_micros().clamp(1, u128::from(u64::MAX / 4)) as u64;
+            let (kind, _) = self.inner.listing_script(key, "penalty", block_us).await?;
+            Ok(kind == "penalty")
+        })
     }
 
     fn slots<'a>(
