@@ -197,6 +197,9 @@ async fn allowed_keys_are_never_limited_and_denied_keys_always_refused() {
         let vip = Key::new("vip");
         assert_eq!(admitted(&a, &vip, 10).await, 5);
         a.allow(&vip).await.unwrap();
+        // An admission names no wait, though the quota under it is spent.
+        let d = a.consume(&vip, 1).await.unwrap();
+        assert!(d.allowed && d.retry_after.is_none(), "{name}: {d:?}");
         assert_eq!(admitted(&a, &vip, 100).await, 100, "{name}");
         a.unblock(&vip).await.unwrap();
         assert_eq!(

@@ -281,3 +281,39 @@ async fn fail_closed_retry_after_rounds_up() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(headers["retry-after"], "2");
 }
+
+/// Two limiters on one name with different slot lifetimes (a rolling change of `ttl`, or two
+/// services sharing a name): the shorter one's acquisition never shortens the key's life under
+/// the longer one's slot, which Redis would otherwise drop with the whole set.
+#[tokio::test]
+async fn a_shorter_ttl_never_drops_a_longer_held_slot() {
+    let redis = RedisServer::start();
+    let build = |ttl| {
+        let url = redis.url();
+        async move {
+            ConcurrencyLimiter::builder(RedisStore::connect(&url).await.unwrap(), "shared", 2)
+                .ttl(ttl)
+                .on_store_error(OnStoreError::fail_closed())
+                .deadline(Duration::from_secs(2))
+                .build()
+                .unwrap()
+        }
+    };
+    let long = build(Duration::from_secs(60)).await;
+    let short = build(Duration::from_millis(300)).await;
+    let key = Key::new("tenant");
+    let held_long = long.acquire(&key).await;
+    assert!(matches!(held_long, Acquired::Held(_)));
+    let held_short = short.acquire(&key).await;
+    assert!(matches!(held_short, Acquired::Held(_)));
+    let pttl = redis
+        .cmd(&["PTTL", "fleetlimit:{ktenant}:slots=shared"])
+        .unwrap()
+        .as_int()
+        .unwrap();
+    assert!(
+        pttl > 59_000,
+        "the set lives {pttl} ms, its longest slot 60 s"
+    );
+    drop((held_long, held_short));
+}

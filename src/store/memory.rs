@@ -524,6 +524,7 @@ impl Inner {
                 Some(match l? {
                     Listed::Allow => Decision {
                         allowed: true,
+                        retry_after: None,
                         listed: ByListing::ALLOW,
                         ..peeked(c)
                     },
@@ -722,7 +723,12 @@ impl Shard {
         self.overflow
             .iter()
             .find(|(r, state, expires_at)| r == name && *expires_at > now && state.fits(quota))
-            .map_or_else(|| State::new(quota), |(_, state, _)| state.clone())
+            .map_or_else(
+                || State::new(quota),
+                // A receipt from the key's own entry before it was evicted refunds nothing
+                // against the copy, which never lent those permits.
+                |(_, state, _)| state.clone().taken_over(now),
+            )
     }
 
     /// Decide one check, and say where its state lives for the commit. `may_sweep`: a new key
@@ -1809,6 +1815,52 @@ mod tests {
         assert!(
             !after.allowed,
             "{admitted} admitted since the eviction, and the old receipt made room for more"
+        );
+    }
+
+    /// A key evicted and come back as a copy of the shared overflow state: a receipt from its
+    /// own entry refunds nothing against the copy, which never lent those permits (the
+    /// overflow's own first permit, taken before the receipt, must not vouch for it).
+    #[test]
+    fn a_receipt_refunds_nothing_against_an_overflow_copy() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let r = Rule::new(
+            "r",
+            Quota::per_hour(10)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let short = rule("short", Algorithm::FixedWindow, 10);
+        let fill = |from: u32| {
+            for i in from..from + 16 {
+                s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 6));
+            }
+        };
+        fill(0);
+        // A new key shares the overflow state: its first permit.
+        assert!(s.apply_now(Op::Consume, &one(&r, &Key::new("x"), 1))[0].allowed);
+        clock.advance(Duration::from_secs(1));
+        // `k` gets an entry of its own, a copy of the overflow (1 + 4 taken), and a receipt.
+        let k = Key::new("k");
+        let receipt = s.apply_now(Op::Consume, &one(&r, &k, 4))[0].taken.unwrap();
+        // Pushed out by keys that used more than half; once they expire, back as a copy of the
+        // overflow again (1 + 1).
+        fill(100);
+        clock.advance(Duration::from_secs(1));
+        assert!(s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+        let before = s.apply_now(Op::Peek, &one(&r, &k, 1))[0].remaining;
+        let _ = s.refund_now(&[Refund {
+            rule: &r,
+            key: &k,
+            taken: receipt,
+        }]);
+        let after = s.apply_now(Op::Peek, &one(&r, &k, 1))[0].remaining;
+        assert_eq!(
+            after, before,
+            "the old receipt gave back permits the copy never lent"
         );
     }
 

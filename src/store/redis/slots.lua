@@ -15,16 +15,21 @@ local op, id = ARGV[1], ARGV[3]
 local limit, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
-local keep_ms = math.ceil(ttl / 1000) + 1000
+-- The set lives until its last slot expires (and a second more): holders with a longer ttl
+-- (another build during a rolling change, another service on the same name) keep theirs.
+local function keep()
+  local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', KEYS[1], math.ceil((tonumber(last[2]) - now) / 1000) + 1000)
+end
 if op == 'acquire' then
   if held >= limit then return { 0, held } end
   redis.call('ZADD', KEYS[1], now + ttl, id)
-  redis.call('PEXPIRE', KEYS[1], keep_ms)
+  keep()
   return { 1, held + 1 }
 elseif op == 'renew' then
   if not redis.call('ZSCORE', KEYS[1], id) then return { 0, held } end
   redis.call('ZADD', KEYS[1], now + ttl, id)
-  redis.call('PEXPIRE', KEYS[1], keep_ms)
+  keep()
   return { 1, held }
 elseif op == 'release' then
   local removed = redis.call('ZREM', KEYS[1], id)
