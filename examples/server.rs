@@ -967,24 +967,30 @@ fn describe(q: &Quota) -> String {
 
 impl Reloader {
     async fn watch(self, path: std::path::PathBuf, mut running: RuleSet) {
-        // No text yet: the file is read again at the first poll and compared with the rules in
-        // force, so an edit made while the server started is not taken as already applied.
-        let mut last: Option<String> = None;
+        // No text acted on yet: the file is compared with the rules in force once it settles,
+        // so an edit made while the server started is not taken as already applied.
+        let mut acted: Option<String> = None;
+        // The text the previous poll read: a text is acted on once two polls in a row read it,
+        // so a file written in place (`cat new.toml > rules.toml`, an editor saving in place)
+        // is never applied half-written.
+        let mut last_read: Option<String> = None;
         loop {
             tokio::time::sleep(RULES_POLL).await;
             let text = match tokio::fs::read_to_string(&path).await {
                 Ok(text) => text,
                 Err(e) => {
-                    if last.take().is_some() {
+                    if last_read.take().is_some() {
                         tracing::warn!(path = %path.display(), error = %e, "rules file unreadable; keeping the running rules");
                     }
                     continue;
                 }
             };
-            if last.as_deref() == Some(text.as_str()) {
+            let settled = last_read.as_deref() == Some(text.as_str());
+            last_read = Some(text.clone());
+            if !settled || acted.as_deref() == Some(text.as_str()) {
                 continue;
             }
-            last = Some(text.clone());
+            acted = Some(text.clone());
             match RuleSet::from_toml(&text) {
                 Err(e) => tracing::warn!(
                     path = %path.display(),

@@ -540,6 +540,54 @@ fn the_rules_file_is_reloaded_when_it_changes_and_an_invalid_one_is_ignored() {
     );
 }
 
+/// A rules file rewritten in place (`cat new.toml > rules.toml`, an editor saving in place) is
+/// read half-written for a moment: that is never applied (here it would drop the second rule),
+/// only the complete file, once two polls read it alike.
+#[test]
+fn a_rules_file_written_in_place_is_applied_only_once_complete() {
+    let text = |login: u64| {
+        let api =
+            "[[rule]]\nname = \"api\"\nalgorithm = \"fixed-window\"\nlimit = 5\nperiod = \"1h\"\n";
+        let login = format!(
+            "[[rule]]\nname = \"login\"\nalgorithm = \"fixed-window\"\nlimit = {login}\nperiod = \"1h\"\n"
+        );
+        (api, login)
+    };
+    let (api, login) = text(10);
+    let rules = RulesFile::new("in-place", &format!("{api}{login}"));
+    let mut server = start(&["--port", "0", "--rules", rules.path()]);
+    let log = collect_stderr(&mut server);
+    assert_eq!(status(&get(server.1, Some("a"))), 200);
+    for round in 1..=3u64 {
+        let (api, login) = text(10 + round);
+        // Half the file for less than a poll (250 ms), then the rest.
+        let mut file = std::fs::File::create(rules.path()).unwrap();
+        file.write_all(api.as_bytes()).unwrap();
+        file.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        file.write_all(login.as_bytes()).unwrap();
+        file.flush().unwrap();
+        drop(file);
+        let written = std::time::Instant::now();
+        while (log.lock().unwrap().matches("quota changed").count() as u64) < round {
+            assert!(
+                written.elapsed() < Duration::from_secs(3),
+                "round {round}: the complete file is not in force: {}",
+                log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // The change was seen within 50 ms of a poll: the next half-written file, 100 ms from
+        // now, is there when the next poll reads.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = log.lock().unwrap();
+    assert!(
+        !log.contains("rule removed") && !log.contains("rule added"),
+        "a half-written file was applied: {log}"
+    );
+}
+
 #[test]
 fn a_rules_file_that_cannot_be_used_is_a_command_line_error() {
     let bad = RulesFile::new(

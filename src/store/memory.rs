@@ -295,17 +295,28 @@ impl MemoryStore {
 pub struct MemoryStoreBuilder {
     clock: Arc<dyn Clock>,
     max_keys: usize,
-    shards: usize,
+    /// Set by [`shards`](MemoryStoreBuilder::shards); else chosen from the cores and `max_keys`.
+    shards: Option<usize>,
     overflow: Overflow,
 }
 
+/// The default shards: 8 per core, 16 to 256, and no more than `max_keys` (the largest power of
+/// two not above it).
+fn default_shards(cores: usize, max_keys: usize) -> usize {
+    let default = cores.saturating_mul(8).next_power_of_two().clamp(16, 256);
+    default.min(1usize << max_keys.max(1).ilog2())
+}
+
+/// The fewest keys a store may hold when its shards are left to the default: the fewest shards
+/// the default picks, so a `max_keys` valid on one machine is valid on every machine.
+const MIN_DEFAULT_MAX_KEYS: usize = 16;
+
 impl Default for MemoryStoreBuilder {
     fn default() -> Self {
-        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         MemoryStoreBuilder {
             clock: Arc::new(SystemClock),
             max_keys: DEFAULT_MAX_KEYS,
-            shards: (cores * 8).next_power_of_two().clamp(16, 256),
+            shards: None,
             overflow: Overflow::Shared,
         }
     }
@@ -320,7 +331,8 @@ impl MemoryStoreBuilder {
 
     /// Keep at most about this many (rule, key) entries (default [`DEFAULT_MAX_KEYS`]). When
     /// full, expired entries go first, then those that have used the least of their quota (never
-    /// more than half of it); an evicted key starts afresh.
+    /// more than half of it); an evicted key starts afresh. At least 16, or at least the
+    /// number of [`shards`](MemoryStoreBuilder::shards) when they are set.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
         self
@@ -333,30 +345,50 @@ impl MemoryStoreBuilder {
         self
     }
 
-    /// The number of shards (rounded up to a power of two; default 8 per core, 16 to 256).
+    /// The number of shards (rounded up to a power of two; default 8 per core, 16 to 256, and
+    /// no more than `max_keys`).
     pub fn shards(mut self, shards: usize) -> Self {
-        self.shards = shards;
+        self.shards = Some(shards);
         self
     }
 
+    /// The shards to build: as set, or the default for this machine, at most `max_keys`.
+    fn shard_count(&self) -> usize {
+        self.shards.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+            default_shards(cores, self.max_keys)
+        })
+    }
+
     /// Validate and build.
-    pub fn build(self) -> Result<MemoryStore, ConfigError> {
-        if self.shards == 0 || self.shards > 1 << 16 {
-            return Err(ConfigError::Invalid {
-                setting: "shards",
-                reason: format!("must be between 1 and 65536, got {}", self.shards),
-            });
-        }
-        if self.max_keys < self.shards.next_power_of_two() {
+    pub fn build(mut self) -> Result<MemoryStore, ConfigError> {
+        if self.shards.is_none() && self.max_keys < MIN_DEFAULT_MAX_KEYS {
             return Err(ConfigError::Invalid {
                 setting: "max_keys",
                 reason: format!(
-                    "must be at least the number of shards ({}), got {}",
-                    self.shards.next_power_of_two(),
+                    "must be at least {MIN_DEFAULT_MAX_KEYS} (or set fewer shards), got {}",
                     self.max_keys
                 ),
             });
         }
+        let shards = self.shard_count();
+        if shards == 0 || shards > 1 << 16 {
+            return Err(ConfigError::Invalid {
+                setting: "shards",
+                reason: format!("must be between 1 and 65536, got {shards}"),
+            });
+        }
+        if self.max_keys < shards.next_power_of_two() {
+            return Err(ConfigError::Invalid {
+                setting: "max_keys",
+                reason: format!(
+                    "must be at least the number of shards ({}), got {}",
+                    shards.next_power_of_two(),
+                    self.max_keys
+                ),
+            });
+        }
+        self.shards = Some(shards);
         if let Overflow::Refuse { retry_after } = self.overflow {
             if retry_after < Duration::from_millis(1) {
                 return Err(ConfigError::Invalid {
@@ -369,7 +401,7 @@ impl MemoryStoreBuilder {
     }
 
     fn build_unchecked(self) -> MemoryStore {
-        let shards = self.shards.next_power_of_two();
+        let shards = self.shard_count().next_power_of_two();
         let shard_capacity = self.max_keys / shards;
         let hasher = DefaultHashBuilder::default();
         MemoryStore {
@@ -1816,6 +1848,32 @@ mod tests {
             !after.allowed,
             "{admitted} admitted since the eviction, and the old receipt made room for more"
         );
+    }
+
+    /// A `max_keys` valid on one machine is valid on every machine: the default shards never
+    /// outnumber it (a 64-core machine's 256 shards made `max_keys(64)` an error there).
+    #[test]
+    fn max_keys_is_valid_whatever_the_cores() {
+        for cores in [1, 2, 9, 64, 1024] {
+            assert_eq!(
+                default_shards(cores, 64),
+                (cores * 8).next_power_of_two().clamp(16, 64)
+            );
+            assert_eq!(default_shards(cores, 16), 16);
+            assert_eq!(
+                default_shards(cores, 100),
+                (cores * 8).next_power_of_two().clamp(16, 64)
+            );
+            assert!(default_shards(cores, DEFAULT_MAX_KEYS) >= 16);
+        }
+        assert!(MemoryStore::builder().max_keys(16).build().is_ok());
+        assert!(MemoryStore::builder().max_keys(15).build().is_err());
+        assert!(MemoryStore::builder().max_keys(1).shards(1).build().is_ok());
+        assert!(MemoryStore::builder()
+            .max_keys(7)
+            .shards(8)
+            .build()
+            .is_err());
     }
 
     /// A key evicted and come back as a copy of the shared overflow state: a receipt from its
