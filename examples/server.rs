@@ -468,27 +468,54 @@ enum DemoStore {
     Redis(RedisStore),
 }
 
-async fn open_store(o: &Options) -> Result<DemoStore, String> {
+/// Why the store could not be opened: a value the command line gave that cannot be used (a
+/// malformed URL, a certificate that does not parse: exit 2, as any bad flag), or anything else.
+struct StoreFailure {
+    message: String,
+    bad_value: bool,
+}
+
+impl From<String> for StoreFailure {
+    fn from(message: String) -> Self {
+        StoreFailure {
+            message,
+            bad_value: true,
+        }
+    }
+}
+
+impl StoreFailure {
+    fn of(error: &fleetlimit::Error, message: String) -> StoreFailure {
+        StoreFailure {
+            message,
+            bad_value: matches!(error, fleetlimit::Error::Config(_)),
+        }
+    }
+}
+
+async fn open_store(o: &Options) -> Result<DemoStore, StoreFailure> {
     Ok(match StoreKind::parse(&o.store)? {
         StoreKind::Memory => DemoStore::Memory(memory_store(o)?),
         StoreKind::Redis(url) => {
             DemoStore::Redis(redis_builder(o)?.connect(&url).await.map_err(|e| {
                 // redis-rs errors may quote the URL: never print the password.
                 let message = e.to_string().replace(&url, &redact(&url));
-                format!("cannot connect to {}: {message}", redact(&url))
+                StoreFailure::of(&e, format!("cannot connect to {}: {message}", redact(&url)))
             })?)
         }
         StoreKind::Cluster(urls) => {
             DemoStore::Redis(redis_builder(o)?.cluster(&urls).await.map_err(|e| {
                 let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
-                format!("cannot connect to the cluster {shown:?}: {e}")
+                StoreFailure::of(&e, format!("cannot connect to the cluster {shown:?}: {e}"))
             })?)
         }
         StoreKind::Sentinel(urls, master) => DemoStore::Redis(
             redis_builder(o)?
                 .sentinel(&urls, &master)
                 .await
-                .map_err(|e| format!("cannot use the Sentinels for {master:?}: {e}"))?,
+                .map_err(|e| {
+                    StoreFailure::of(&e, format!("cannot use the Sentinels for {master:?}: {e}"))
+                })?,
         ),
     })
 }
@@ -624,8 +651,18 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         }
+        let store = match open_store(&options).await {
+            Ok(store) => store,
+            Err(failure) => {
+                eprintln!("error: {}", failure.message);
+                return if failure.bad_value {
+                    ExitCode::from(2)
+                } else {
+                    ExitCode::FAILURE
+                };
+            }
+        };
         let started = async {
-            let store = open_store(&options).await?;
             let rules = load_rules(&options)?;
             let limiter = build_limiter(&store, &rules.rules, &options)?;
             let layer = build_layer(limiter.clone(), &rules, &options)?;
@@ -687,12 +724,17 @@ fn main() -> ExitCode {
         };
         let app = match &options.admin_token {
             // Not rate limited: it is how an operator lifts a limit.
+            // A fallback of its own, so that unknown admin paths are behind the token too (a
+            // nested router without one falls through to the app's 404, which maps the routes
+            // for anyone).
             Some(token) => app.nest(
                 "/admin",
-                admin.layer(axum::middleware::from_fn_with_state(
-                    Arc::<str>::from(format!("Bearer {token}")),
-                    operator_only,
-                )),
+                admin
+                    .fallback(|| async { http::StatusCode::NOT_FOUND })
+                    .layer(axum::middleware::from_fn_with_state(
+                        Arc::<str>::from(format!("Bearer {token}")),
+                        operator_only,
+                    )),
             ),
             None => app,
         };

@@ -96,6 +96,16 @@ impl TryFrom<QuotaFields> for Quota {
             b = b.sub_windows(n);
         }
         if let Some(cap) = f.max_log_len {
+            // In a file it is a typo or a misunderstanding, as a burst on a window would be.
+            if f.algorithm != Algorithm::SlidingLog {
+                return Err(ConfigError::Invalid {
+                    setting: "max_log_len",
+                    reason: format!(
+                        "only meaningful for the sliding window log, not {}",
+                        f.algorithm
+                    ),
+                });
+            }
             b = b.max_log_len(cap);
         }
         match f.estimate.as_deref() {
@@ -300,6 +310,12 @@ impl ScopeConfig {
         };
         if let Some(missing) = missing {
             scope = scope.on_missing_key(missing);
+        }
+        if self.cost.is_some() && self.cost_body.is_some() {
+            return Err(invalid(
+                "scope.cost",
+                "a fixed cost and a cost by body size (cost_body) together; give one".into(),
+            ));
         }
         if let Some(cost) = self.cost {
             scope = scope.cost(move |_| cost);
@@ -605,6 +621,10 @@ mod tests {
                 "two rules",
             ),
             ("[[rule]\n", "rules file"),
+            (
+                "[[rule]]\nname = \"a\"\nlimit = 1\nperiod = \"1s\"\nmax_log_len = 5",
+                "max_log_len",
+            ),
         ] {
             let err = rules_from_toml(bad).unwrap_err().to_string();
             assert!(err.contains(says), "{bad:?}: {err}");

@@ -504,6 +504,7 @@ scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "20
             ("refund_status = \"299-200\"", "refund_status"),
             ("missing_key = \"maybe\"", "reject"),
             ("cost_body = 0", "0 bytes"),
+            ("cost = 5, cost_body = 1024", "cost_body"),
             ("colour = \"red\"", "colour"),
         ] {
             let text = format!(

@@ -133,6 +133,12 @@ fn invalid_flags_exit_2_with_a_message() {
             "--max-keys",
             "100",
         ],
+        &[
+            "--store",
+            "redis://127.0.0.1:notaport",
+            "--on-store-error",
+            "open",
+        ],
         &["--trusted-proxies", "10.0.0.0/33"],
         &["--trusted-hops", "0"],
         &["--trusted-hops", "1", "--trusted-proxies", "127.0.0.1"],
@@ -654,6 +660,9 @@ fn the_admin_endpoints_inspect_reset_and_block_keys_for_the_token_holder() {
             ("GET", "/admin/keys/tenant-7"),
             ("DELETE", "/admin/keys/tenant-7"),
             ("POST", "/admin/keys/tenant-7/block?seconds=5"),
+            // Unknown admin paths too: no map of the routes without the token.
+            ("GET", "/admin/nope"),
+            ("GET", "/admin/keys/tenant-7/nope"),
         ] {
             let r = request(port, method, path, headers);
             assert_eq!(status(&r), 401, "{method} {path} {headers:?}: {r}");
