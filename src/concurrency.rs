@@ -346,8 +346,10 @@ fn local_share(local: u64, share: u64, limit: u64) -> u64 {
     }
     let scaled = u128::from(local) * u128::from(share) / u128::from(limit.max(1));
     let scaled = u64::try_from(scaled).unwrap_or(local);
+    // At least one slot for a share above zero, but never all of them: the rest is there for
+    // the callers with the whole budget (critical traffic).
     if share > 0 {
-        scaled.max(1)
+        scaled.max(1).min(local.saturating_sub(1))
     } else {
         0
     }
@@ -842,6 +844,9 @@ mod tests {
         assert_eq!(local_share(2, 4, 8), 1);
         assert_eq!(local_share(2, 1, 100), 1, "a share above zero is a slot");
         assert_eq!(local_share(2, 0, 100), 0);
+        // Never all the local slots below the whole budget: one is left for critical traffic.
+        assert_eq!(local_share(1, 50, 100), 0);
+        assert_eq!(local_share(2, 99, 100), 1);
         assert_eq!(local_share(u64::MAX, u64::MAX - 1, u64::MAX), u64::MAX - 1);
     }
 }

@@ -32,7 +32,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -102,10 +102,10 @@ pub struct WorkerUtilisation {
 struct WorkerState {
     target: u64,
     in_flight: AtomicU64,
-    /// How many priorities are shed, from the least critical (0 to 3).
-    level: AtomicU8,
-    /// When the level last changed (µs since `epoch`).
-    changed_at: AtomicU64,
+    /// How many priorities are shed, from the least critical (0 to 3), in the low 8 bits, and
+    /// when that last changed (µs since `epoch`) above them: a step is decided on both and taken
+    /// in one compare-and-swap, so requests racing at an overload step once, not once each.
+    shedding: AtomicU64,
     epoch: std::time::Instant,
     step_up: Duration,
     step_down: Duration,
@@ -118,8 +118,7 @@ impl WorkerUtilisation {
             state: Arc::new(WorkerState {
                 target,
                 in_flight: AtomicU64::new(0),
-                level: AtomicU8::new(0),
-                changed_at: AtomicU64::new(0),
+                shedding: AtomicU64::new(0),
                 epoch: std::time::Instant::now(),
                 step_up: Duration::from_millis(100),
                 step_down: Duration::from_secs(1),
@@ -130,7 +129,7 @@ impl WorkerUtilisation {
     /// How many priorities are shed now, from the least critical (0: none; 3: all but
     /// critical).
     pub fn level(&self) -> u8 {
-        self.state.level.load(Ordering::Relaxed)
+        (self.state.shedding.load(Ordering::Relaxed) & 0xff) as u8
     }
 
     /// Requests in this process's handlers now.
@@ -142,32 +141,42 @@ impl WorkerUtilisation {
     fn admit(&self, priority: Priority) -> bool {
         let s = &self.state;
         let now = crate::algorithm::micros(s.epoch.elapsed());
-        let since = Duration::from_micros(now.saturating_sub(s.changed_at.load(Ordering::Relaxed)));
-        let level = s.level.load(Ordering::Relaxed);
+        let word = s.shedding.load(Ordering::Relaxed);
+        let (level, changed_at) = ((word & 0xff) as u8, word >> 8);
+        let since = Duration::from_micros(now.saturating_sub(changed_at));
         let in_flight = s.in_flight.load(Ordering::Relaxed);
+        let below_80_percent = u128::from(in_flight) * 10 < u128::from(s.target) * 8;
         let next = if in_flight >= s.target && level < 3 && since >= s.step_up {
             level + 1
-        } else if in_flight * 10 < s.target * 8 && level > 0 && since >= s.step_down {
+        } else if below_80_percent && level > 0 && since >= s.step_down {
             level - 1
         } else {
             level
         };
-        if next != level
-            && s.level
-                .compare_exchange(level, next, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            s.changed_at.store(now, Ordering::Relaxed);
-            tracing::info!(
-                from = level,
-                to = next,
-                in_flight,
-                target = s.target,
-                "fleetlimit: worker load shedding level changed"
-            );
-        }
+        let level_now = if next == level {
+            level
+        } else {
+            let stepped = (now << 8) | u64::from(next);
+            match s
+                .shedding
+                .compare_exchange(word, stepped, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    tracing::info!(
+                        from = level,
+                        to = next,
+                        in_flight,
+                        target = s.target,
+                        "fleetlimit: worker load shedding level changed"
+                    );
+                    next
+                }
+                // Another request stepped first: its level holds.
+                Err(current) => (current & 0xff) as u8,
+            }
+        };
         // Level n sheds the n least critical priorities; critical never.
-        priority == Priority::Critical || priority.rank() < 4 - usize::from(next)
+        priority == Priority::Critical || priority.rank() < 4 - usize::from(level_now)
     }
 }
 
@@ -227,11 +236,15 @@ impl FleetUsage {
 
     fn limit_for(&self, priority: Priority) -> u64 {
         let share = self.shares[priority.rank()];
-        let budget = self.slots.limit() as f64;
-        // A share above zero is at least one slot, however small the budget.
-        let limit = (budget * share).floor() as u64;
+        let budget = self.slots.limit();
+        if priority == Priority::Critical {
+            return budget;
+        }
+        // A share above zero is at least one slot, but never the whole budget: the rest is
+        // always there for critical traffic (a budget of 1 is critical traffic's alone).
+        let limit = (budget as f64 * share).floor() as u64;
         if share > 0.0 {
-            limit.max(1)
+            limit.max(1).min(budget.saturating_sub(1))
         } else {
             0
         }
@@ -449,13 +462,94 @@ mod tests {
     fn levels_shed_the_least_critical_first_and_never_critical() {
         let w = WorkerUtilisation::new(10);
         for level in 0..=3u8 {
-            w.state.level.store(level, Ordering::Relaxed);
-            // Below the target and within the step times: the level holds.
-            w.state.changed_at.store(u64::MAX / 2, Ordering::Relaxed);
+            // Below the target and within the step times (changed "later"): the level holds.
+            let changed_at = u64::MAX >> 9;
+            w.state
+                .shedding
+                .store((changed_at << 8) | u64::from(level), Ordering::Relaxed);
             let admitted: Vec<Priority> =
                 Priority::ALL.into_iter().filter(|p| w.admit(*p)).collect();
             assert_eq!(admitted.len(), 4 - usize::from(level).min(3), "{level}");
             assert!(admitted.contains(&Priority::Critical));
         }
+    }
+
+    /// Requests racing at the first overload instant step the level once, not once each: the
+    /// level and its time are one word (two atomics let a request read the old time with the
+    /// new level, and step again).
+    #[test]
+    fn racing_requests_step_once() {
+        let epoch = std::time::Instant::now()
+            .checked_sub(Duration::from_secs(1))
+            .unwrap_or_else(std::time::Instant::now);
+        let w = WorkerUtilisation::new(10);
+        let w = WorkerUtilisation {
+            state: Arc::new(WorkerState {
+                epoch,
+                ..Arc::try_unwrap(w.state).unwrap()
+            }),
+        };
+        w.state.in_flight.store(10, Ordering::Relaxed);
+        let threads = 8;
+        let barrier = Arc::new(std::sync::Barrier::new(threads + 1));
+        let rounds = 300;
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let (w, barrier) = (w.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..rounds {
+                        barrier.wait();
+                        w.admit(Priority::BestEffort);
+                        barrier.wait();
+                    }
+                })
+            })
+            .collect();
+        for round in 0..rounds {
+            // Level 0, last changed at the epoch: a second ago, so one step is due.
+            w.state.shedding.store(0, Ordering::Relaxed);
+            barrier.wait();
+            barrier.wait();
+            assert_eq!(w.level(), 1, "round {round}: stepped more than once");
+        }
+        for t in workers {
+            t.join().unwrap();
+        }
+    }
+
+    /// However small the fleet budget, the less critical priorities never fill all of it.
+    #[test]
+    fn a_small_budget_always_keeps_a_slot_for_critical_traffic() {
+        let usage = |budget| {
+            FleetUsage::new(
+                crate::concurrency::ConcurrencyLimiter::builder(
+                    crate::MemoryStore::new(),
+                    "fleet",
+                    budget,
+                )
+                .build()
+                .unwrap(),
+            )
+        };
+        let one = usage(1);
+        assert_eq!(one.limit_for(Priority::Critical), 1);
+        for p in [Priority::Important, Priority::Normal, Priority::BestEffort] {
+            assert_eq!(one.limit_for(p), 0, "{p:?}");
+        }
+        let two = usage(2);
+        assert_eq!(two.limit_for(Priority::Critical), 2);
+        assert_eq!(two.limit_for(Priority::BestEffort), 1);
+        assert_eq!(two.limit_for(Priority::Important), 1);
+        let ten = usage(10);
+        assert_eq!(ten.limit_for(Priority::BestEffort), 5);
+        assert_eq!(ten.limit_for(Priority::Important), 8);
+    }
+
+    /// A target no load reaches (`u64::MAX`) never overflows the step-down test.
+    #[test]
+    fn any_target_is_accepted() {
+        let w = WorkerUtilisation::new(u64::MAX);
+        w.state.in_flight.store(u64::MAX - 1, Ordering::Relaxed);
+        assert!(w.admit(Priority::BestEffort));
     }
 }
