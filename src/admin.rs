@@ -105,9 +105,14 @@ impl<S: Send + Sync> FromRequestParts<S> for Named {
     type Rejection = Response<Body>;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let Path(mut params) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
-            .await
-            .map_err(|_| error(StatusCode::BAD_REQUEST, "invalid_path"))?;
+        let Ok(Path(mut params)) =
+            Path::<Vec<(String, String)>>::from_request_parts(parts, state).await
+        else {
+            // A key that is not text (a header value may hold any byte, a path parameter must
+            // decode to UTF-8): its bytes from the raw path, so the operator can name it too.
+            return raw_key(parts.uri.path())
+                .ok_or_else(|| error(StatusCode::BAD_REQUEST, "invalid_path"));
+        };
         let mut param = |name: &str| {
             let at = params.iter().position(|(n, _)| n == name)?;
             Some(params.swap_remove(at).1)
@@ -123,6 +128,54 @@ impl<S: Send + Sync> FromRequestParts<S> for Named {
         };
         Ok(Named { key, shown, rule })
     }
+}
+
+/// The key of a `/keys/{key}...` path from its raw, percent-encoded form, whatever bytes it
+/// holds; `None` for another route (or a rule name that is not text).
+fn raw_key(path: &str) -> Option<Named> {
+    let segments: Vec<&str> = path.split('/').collect();
+    let (raw, rule) = match segments.as_slice() {
+        [.., "keys", key, "rules", rule] => (*key, Some(*rule)),
+        [.., "keys", key, "block" | "deny" | "allow" | "unblock"] | [.., "keys", key] => {
+            (*key, None)
+        }
+        _ => return None,
+    };
+    let bytes = percent_decoded(raw);
+    let rule = match rule {
+        Some(rule) => Some(String::from_utf8(percent_decoded(rule)).ok()?),
+        None => None,
+    };
+    Some(Named {
+        key: Key::new(&bytes),
+        shown: String::from_utf8_lossy(&bytes).into_owned(),
+        rule,
+    })
+}
+
+/// `%XX` sequences decoded; a `%` without two hex digits after it stays as it is (as axum
+/// decodes the path parameters of text keys).
+fn percent_decoded(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// The key [`PeerIp`](crate::key::PeerIp) makes for `text`: an address, IPv6 grouped by `/64`
@@ -298,5 +351,21 @@ mod tests {
         ] {
             assert_eq!(seconds(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn raw_keys_decode_as_axum_decodes_text() {
+        assert_eq!(
+            percent_decoded("%FFk%2f%G%4"),
+            [0xff, b'k', b'/', b'%', b'G', b'%', b'4']
+        );
+        let named = raw_key("/keys/%FFk/rules/api").unwrap();
+        assert_eq!(
+            (named.key, named.rule.as_deref()),
+            (Key::new(b"\xffk"), Some("api"))
+        );
+        assert!(raw_key("/keys/%FFk/block").unwrap().rule.is_none());
+        assert!(raw_key("/ips/%FF").is_none());
+        assert!(raw_key("/keys/%FFk/rules/%FF").is_none());
     }
 }

@@ -159,3 +159,53 @@ async fn an_address_names_the_key_the_layer_counts() {
     let (_, elsewhere) = call(&admin, "GET", "/ips/2001:db8:0:8::1").await;
     assert_eq!(remaining(&elsewhere), 10, "another /64");
 }
+
+/// A header value may hold any byte, and the key the layer counts holds them too: the operator
+/// names such a key by its percent-encoded bytes, though they are not text.
+#[tokio::test]
+async fn a_key_that_is_not_text_can_be_named() {
+    use axum::routing::get;
+    use fleetlimit::{key, RateLimitLayer};
+
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(Rule::new("api", Quota::per_minute(1).build().unwrap()).unwrap())
+        .build()
+        .unwrap();
+    let admin = admin::router(limiter.clone());
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::builder(limiter.clone())
+            .key(key::header("x-api-key"))
+            .build()
+            .unwrap(),
+    );
+    let send = || async {
+        let req = Request::get("/")
+            .header(
+                "x-api-key",
+                http::HeaderValue::from_bytes(b"\xffk").unwrap(),
+            )
+            .body(Body::empty())
+            .unwrap();
+        app.clone().oneshot(req).await.unwrap().status()
+    };
+    assert_eq!(send().await, StatusCode::OK);
+    assert_eq!(send().await, StatusCode::TOO_MANY_REQUESTS);
+    let (status, inspected) = call(&admin, "GET", "/keys/%FFk").await;
+    assert_eq!(status, StatusCode::OK, "{inspected}");
+    assert_eq!(
+        remaining(&inspected),
+        0,
+        "the key the layer counts: {inspected}"
+    );
+    let (status, _) = call(&admin, "DELETE", "/keys/%FFk").await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert_eq!(send().await, StatusCode::OK, "reset");
+    let (status, _) = call(&admin, "POST", "/keys/%FFk/deny").await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert_eq!(send().await, StatusCode::TOO_MANY_REQUESTS, "denied");
+    let (status, _) = call(&admin, "DELETE", "/keys/%FFk/rules/api").await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    // A rule name is text.
+    let (status, _) = call(&admin, "DELETE", "/keys/%FFk/rules/%FF").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
