@@ -769,9 +769,14 @@ async fn operator_only(
     }
 }
 
-/// Compare without returning early at the first different byte (no timing hint to a guesser).
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Compare in a time that depends on the expected token's length alone: no early return at the
+/// first different byte, nor at a length that differs (no timing hint to a guesser, not even of
+/// the token's length).
+fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
+    let differs = expected.iter().enumerate().fold(0u8, |acc, (i, e)| {
+        acc | (e ^ given.get(i).copied().unwrap_or(0))
+    });
+    differs == 0 && given.len() == expected.len()
 }
 
 /// The request's `?sleep_ms=N`; a request without a query (nearly all) parses nothing.
@@ -1119,6 +1124,21 @@ impl Reloader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_compare_equal_only_when_equal() {
+        let token = b"Bearer s3cret-token";
+        assert!(constant_time_eq(token, token));
+        for other in [
+            &b""[..],
+            b"Bearer s3cret-toke",
+            b"Bearer s3cret-token!",
+            b"Bearer s3cret-tokem",
+            b"Bearer s3cret-token\0",
+        ] {
+            assert!(!constant_time_eq(other, token), "{other:?}");
+        }
+    }
 
     fn parse(args: &[&str]) -> Result<Options, String> {
         match parse_args(args.iter().map(|s| s.to_string()))? {
