@@ -499,22 +499,33 @@ impl Limiter {
     /// pushback does through [`OutboundLayer`](crate::outbound::OutboundLayer), which waits out
     /// pauses before calling. Within the decision deadline per rule.
     pub async fn pause(&self, key: &Key, pause: Duration) -> Result<(), Error> {
-        let deadline = self.inner.deadline;
-        for rule in self.inner.rules.load_full().iter() {
-            tokio::time::timeout(deadline, self.inner.store.pause(rule, key, pause))
-                .await
-                .map_err(|_| StoreError::Timeout(deadline))??;
-        }
-        Ok(())
+        self.pause_every_rule(key, pause, false).await
     }
 
     /// [`pause`](Limiter::pause), unless a pause in force ends later (per rule, in one step in
     /// the store): what several instances told to stop, each for its own time, agree on. The
     /// outbound layer pauses this way.
     pub async fn pause_at_least(&self, key: &Key, pause: Duration) -> Result<(), Error> {
+        self.pause_every_rule(key, pause, true).await
+    }
+
+    /// Pause `key` under every rule, each within the deadline; `extend`: only where that is
+    /// longer than the pause in force.
+    async fn pause_every_rule(
+        &self,
+        key: &Key,
+        pause: Duration,
+        extend: bool,
+    ) -> Result<(), Error> {
         let deadline = self.inner.deadline;
+        let store = &self.inner.store;
         for rule in self.inner.rules.load_full().iter() {
-            tokio::time::timeout(deadline, self.inner.store.extend_pause(rule, key, pause))
+            let call = if extend {
+                store.extend_pause(rule, key, pause)
+            } else {
+                store.pause(rule, key, pause)
+            };
+            tokio::time::timeout(deadline, call)
                 .await
                 .map_err(|_| StoreError::Timeout(deadline))??;
         }

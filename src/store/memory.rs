@@ -1811,18 +1811,23 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_receipt_survives_no_eviction() {
-        let clock = ManualClock::new(1_735_689_600_000_000);
-        let s = store(&clock, 16);
-        let r = Rule::new(
+    /// A fixed window of 10 an hour, named "r".
+    fn ten_an_hour() -> Rule {
+        Rule::new(
             "r",
             Quota::per_hour(10)
                 .algorithm(Algorithm::FixedWindow)
                 .build()
                 .unwrap(),
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn a_receipt_survives_no_eviction() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let r = ten_an_hour();
         let k = Key::new("k");
         let half = s.apply_now(Op::Consume, &one(&r, &k, 5))[0].taken.unwrap();
         clock.advance(Duration::from_millis(1));
@@ -1883,14 +1888,7 @@ mod tests {
     fn a_receipt_refunds_nothing_against_an_overflow_copy() {
         let clock = ManualClock::new(1_735_689_600_000_000);
         let s = store(&clock, 16);
-        let r = Rule::new(
-            "r",
-            Quota::per_hour(10)
-                .algorithm(Algorithm::FixedWindow)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
+        let r = ten_an_hour();
         let short = rule("short", Algorithm::FixedWindow, 10);
         let fill = |from: u32| {
             for i in from..from + 16 {

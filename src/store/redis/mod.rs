@@ -66,6 +66,12 @@ fn by_listing(anchor: i64) -> ByListing {
 /// Reads and sets a key's listing (`listing.lua`); admin calls are rare, so it is sent whole.
 const LISTING_SCRIPT: &str = include_str!("listing.lua");
 
+/// A pause in whole milliseconds, as Redis keeps it: at least 1 (a zero `PX` is an error), at
+/// most about 49 days.
+fn pause_ms(pause: Duration) -> u64 {
+    pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64
+}
+
 /// A pause that only grows: set unless the one in force ends later.
 const EXTEND_PAUSE_SCRIPT: &str = "if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then \
      redis.call('SET', KEYS[1], 1, 'PX', ARGV[1]) end return 1";
@@ -1257,12 +1263,11 @@ impl Store for RedisStore {
         pause: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let ms = pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64;
             let mut cmd = redis::cmd("SET");
             cmd.arg(self.inner.pause_key(rule, key))
                 .arg(1)
                 .arg("PX")
-                .arg(ms);
+                .arg(pause_ms(pause));
             self.inner.command::<()>(cmd).await
         })
     }
@@ -1274,7 +1279,7 @@ impl Store for RedisStore {
         pause: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let ms = pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64;
+            let ms = pause_ms(pause);
             let pause_key = self.inner.pause_key(rule, key);
             self.inner
                 .run_script::<i64>(
