@@ -31,8 +31,8 @@
 //! `--trusted-hops` (a count of proxies in front) makes requests without an API key count
 //! against the client address the proxies report, not the proxy's. `--rules FILE` takes the
 //! rules from a TOML file (`[[rule]]` tables with `name`, `algorithm`, `limit`, `period`, optional
-//! `burst`; every rule keyed like the single one) and reloads it when it changes, within 250 ms,
-//! logging what changed; a file that cannot be used keeps the running rules and logs why.
+//! `burst`; every rule keyed like the single one) and reloads it when it changes, once two polls
+//! 250 ms apart read the new text alike (never half-written), logging what changed; a file that cannot be used keeps the running rules and logs why.
 //! `--admin-token TOKEN` mounts the key administration endpoints
 //! of `fleetlimit::admin` at `/admin` (`GET /admin/keys/{key}`, `DELETE /admin/keys/{key}`,
 //! `POST /admin/keys/{key}/block?seconds=N`, ...; `{key}` is the `x-api-key` value), answering

@@ -18,8 +18,8 @@
 //! #[tokio::main]
 //! async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //!     // 100 requests per minute per API key (or per client address without one). The client
-// chooses this header: in a real service, key on what authentication established, with a
-// per-address rule in front (README: "Keys an attacker controls").
+//!     // chooses this header: in a real service, key on what authentication established, with a
+//!     // per-address rule in front (README: "Keys an attacker controls").
 //!     let limiter = Limiter::builder(MemoryStore::new())
 //!         .rule(Rule::new("api", Quota::per_minute(100).build()?)?)
 //!         .build()?;

@@ -20,7 +20,7 @@ pub const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
 pub const DEFAULT_MAX_LOG_LEN: u64 = 10_000;
 
 /// How many sub-windows the sliding window counter splits its period into by default: chosen by
-/// measurement on a realistic trace (`cargo run --release --example accuracy`, table in the
+/// measurement on a realistic trace (`cargo run --release --example trace`, table in the
 /// README), the fewest that meet its error targets.
 pub const DEFAULT_SUB_WINDOWS: u64 = 20;
 

@@ -14,7 +14,7 @@
 //! taken in the sub-window sliding out (at most `limit`, and at most `limit / n` from a client
 //! spread at the limit's rate), and refuse a request the exact rule admits only while such a
 //! sub-window is sliding out. The README reports the measured error on a realistic trace
-//! (`cargo run --release --example accuracy`).
+//! (`cargo run --release --example trace`).
 //!
 //! Refunds: a receipt says when its permits were counted; they are taken off that sub-window's
 //! count while it is still counted (the estimate is then what it would be had the request never

@@ -45,8 +45,10 @@ pub fn json_field(field: &str) -> BodyField {
     }
 }
 
-/// A field of an `application/x-www-form-urlencoded` body as the key (the first occurrence,
-/// percent-decoded; an empty value is no key). Like [`json_field`], it needs a
+/// A field of an `application/x-www-form-urlencoded` body as the key (percent-decoded; an empty
+/// value is no key). A field given twice counts as its last, as a map the handler reads the
+/// form into keeps it (a typed `Form<T>` refuses such a body): counting the first would let
+/// `user=anyone&user=victim` be counted against `anyone` while the handler serves `victim`. Like [`json_field`], it needs a
 /// [`BufferBodyLayer`](crate::layer::BufferBodyLayer) outside the rate-limit layer.
 pub fn form_field(name: &str) -> BodyField {
     BodyField {
@@ -87,7 +89,8 @@ impl KeyExtractor for BodyField {
         match &self.field {
             Field::Json { path, .. } => json_at(body.bytes(), path),
             Field::Form(name) => form_urlencoded::parse(body.bytes())
-                .find(|(k, _)| k == name)
+                .filter(|(k, _)| k == name)
+                .last()
                 .filter(|(_, v)| !v.is_empty())
                 .map(|(_, v)| Key::new(v.as_bytes())),
         }
@@ -317,8 +320,12 @@ mod tests {
 
     #[test]
     fn form_fields_decoded() {
-        let p = parts_with(b"user=al%20ice&user=eve&empty=");
-        assert_eq!(form_field("user").extract(&p), Some(Key::new("al ice")));
+        let p = parts_with(b"user=eve&user=al%20ice&empty=");
+        assert_eq!(
+            form_field("user").extract(&p),
+            Some(Key::new("al ice")),
+            "the last, as a map reads it"
+        );
         assert_eq!(form_field("empty").extract(&p), None);
         assert_eq!(form_field("none").extract(&p), None);
     }

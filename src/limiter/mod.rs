@@ -4,8 +4,10 @@
 //! Its parts, each with its promise and tests beside it: [`policy`] (the outage policy and the
 //! one deadline of a decision), [`breaker`] (a circuit breaker per failure domain), [`leases`]
 //! (hot keys spent from leased blocks), [`denials`] (remembered store denials), [`listings`]
-//! (remembered allow, deny and block entries) and [`rate`] (how often a key is seen). This file
-//! is the public API and the order in which they are asked.
+//! (remembered allow, deny and block entries), [`rate`] (how often a key is seen), `penalty`
+//! (the penalty box), `heavy` (the heaviest keys), `domains` (calls across cluster slots) and
+//! `waiting` (waiting for a permit). This file is the public API and the order in which they
+//! are asked.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
