@@ -779,3 +779,42 @@ async fn an_inner_layers_outage_refusal_still_reads_as_a_refusal() {
     let left = outer.peek(&fleetlimit::Key::global()).await.unwrap();
     assert_eq!(left.remaining, 100, "the outer layer gave its permit back");
 }
+
+/// A refusal the store gave, then lifted (the key unblocked on another instance, and admitted
+/// by the store since), does not come back in an outage: it no longer stands, though its old
+/// retry time (the deny list's day) is far off.
+#[tokio::test]
+async fn a_denial_the_store_has_since_lifted_does_not_refuse_through_an_outage() {
+    let mut server = RedisServer::start();
+    let clock = fleetlimit::ManualClock::new(1_900_000_000_000_000);
+    let build = || {
+        let (url, clock) = (server.url(), clock.clone());
+        async move {
+            let store = RedisStore::builder()
+                .clock(clock.clone())
+                .connect_timeout(Duration::from_secs(2))
+                .connect(&url)
+                .await
+                .unwrap();
+            Limiter::builder(store)
+                .rule(rule(100))
+                .on_store_error(OnStoreError::FailOpen)
+                .deadline(DEADLINE)
+                .clock(clock)
+                .build()
+                .unwrap()
+        }
+    };
+    let (a, admin) = (build().await, build().await);
+    let key = Key::new("lifted");
+    admin.deny(&key).await.unwrap();
+    assert!(!a.consume(&key, 1).await.unwrap().allowed, "deny-listed");
+    admin.unblock(&key).await.unwrap();
+    clock.advance(Duration::from_secs(2));
+    let d = a.consume(&key, 1).await.unwrap();
+    assert!(d.allowed && !d.degraded, "the store admits it again: {d:?}");
+    server.kill();
+    clock.advance(Duration::from_secs(5));
+    let d = a.consume(&key, 1).await.unwrap();
+    assert!(d.allowed && d.degraded, "a lifted denial refused: {d:?}");
+}

@@ -32,6 +32,8 @@ struct Remembered {
     cost: u64,
     /// Full again at (µs), for `reset_after`.
     reset_at: u64,
+    /// When the call the store answered with this denial was made (µs).
+    asked_at: u64,
     decision: Decision,
 }
 
@@ -101,7 +103,10 @@ impl DenialCache {
     /// Remember a store denial `d` of a request of `cost`, answered for a call made at `asked_at`
     /// (so the remembered wait never outlasts the store's).
     pub(crate) fn remember(&self, key: SlotKey, cost: u64, d: &Decision, asked_at: u64) {
-        let (false, Some(retry)) = (d.allowed, d.retry_after) else {
+        if d.allowed {
+            return self.admitted(&key, cost, asked_at);
+        }
+        let Some(retry) = d.retry_after else {
             return;
         };
         let retry_at = asked_at.saturating_add(micros(retry));
@@ -128,9 +133,24 @@ impl DenialCache {
                 retry_at,
                 cost,
                 reset_at,
+                asked_at,
                 decision: *d,
             },
         );
+    }
+
+    /// The store admitted `key` at `cost` for a call made at `asked_at`: a denial it gave for an
+    /// earlier call no longer stands if this admission proves it (a cost no larger, or any cost
+    /// against a listing: the key was reset, unblocked, its quota raised, permits came back).
+    /// Kept, it would still refuse the key through an outage, up to its old retry time.
+    fn admitted(&self, key: &SlotKey, cost: u64, asked_at: u64) {
+        let mut shard = self.shard(key);
+        let disproved = shard.get(key).is_some_and(|r| {
+            r.asked_at <= asked_at && (r.cost <= cost || r.decision.listed.is_listed())
+        });
+        if disproved {
+            shard.remove(key);
+        }
     }
 
     /// Forget every remembered denial (the quotas changed).
@@ -191,6 +211,41 @@ mod tests {
             "never past the store's time"
         );
         assert!(c.get(&k, 2, 250_000).is_none(), "forgotten once over");
+    }
+
+    /// A later admission by the store lifts a denial it proves wrong: one of a cost no larger,
+    /// or any admission against a listing's denial; never an admission asked before it.
+    #[test]
+    fn a_later_admission_lifts_the_denials_it_disproves() {
+        let c = DenialCache::new(100, Duration::from_secs(60));
+        let k = (0, Key::new("k"));
+        let admit = Decision::admit(10, 5, Duration::ZERO);
+        c.remember(k.clone(), 5, &denial(30_000, 60_000), 1_000);
+        c.remember(k.clone(), 5, &admit, 500);
+        assert!(
+            c.get_in_outage(&k, 5, 2_000).is_some(),
+            "asked before the denial"
+        );
+        c.remember(k.clone(), 1, &admit, 1_500);
+        assert!(
+            c.get_in_outage(&k, 5, 2_000).is_some(),
+            "a smaller cost proves nothing"
+        );
+        c.remember(k.clone(), 5, &admit, 1_500);
+        assert!(
+            c.get_in_outage(&k, 5, 2_000).is_none(),
+            "the same cost fits again"
+        );
+        let listed = Decision {
+            listed: crate::decision::ByListing::DENY,
+            ..denial(86_400_000, 86_400_000)
+        };
+        c.remember(k.clone(), 5, &listed, 3_000);
+        c.remember(k.clone(), 1, &admit, 3_500);
+        assert!(
+            c.get_in_outage(&k, 5, 4_000).is_none(),
+            "the listing is gone"
+        );
     }
 
     #[test]

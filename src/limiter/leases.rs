@@ -365,6 +365,8 @@ impl Inner {
             let decision = fresh.admission(lease.permits - check.cost, check.cost, started);
             let old = slot.block.swap(Arc::new(fresh));
             self.give_back_later(check, &old);
+            // An admission by the store: a denial it gave before no longer stands.
+            self.remember(check, &decision, started);
             return Ok(decision);
         }
         // Not enough for this request: keep what was granted for smaller ones, and let the
@@ -605,42 +607,53 @@ mod tests {
     /// A block leased near the end of a 2 s window, then the quota changed to 1 s windows: the
     /// store moves the count into the new window and starts the next one afresh, so the old
     /// block's permits, spent into that next window, would pass both limits. They are not
-    /// spent after the change.
+    /// spent after the change, whether the rule's quota changed or the key got its own.
     #[tokio::test(start_paused = true)]
     async fn a_block_leased_before_a_quota_change_is_not_spent_after_it() {
-        let clock = ManualClock::new(T0 + 900_000);
-        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let quota = |period_s| {
-            crate::Quota::new(1000, Duration::from_secs(period_s))
-                .algorithm(Algorithm::FixedWindow)
+        for by_override in [false, true] {
+            let clock = ManualClock::new(T0 + 900_000);
+            let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+            let quota = |period_s| {
+                crate::Quota::new(1000, Duration::from_secs(period_s))
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap()
+            };
+            let leased = Limiter::builder(store)
+                .rule(Rule::new("hot", quota(2)).unwrap())
+                .on_store_error(OnStoreError::fail_closed())
+                .lease("hot", LeaseConfig::fixed(125))
+                .clock(clock.clone())
                 .build()
-                .unwrap()
-        };
-        let leased = Limiter::builder(store)
-            .rule(Rule::new("hot", quota(2)).unwrap())
-            .on_store_error(OnStoreError::fail_closed())
-            .lease("hot", LeaseConfig::fixed(125))
-            .clock(clock.clone())
-            .build()
-            .unwrap();
-        let key = Key::new("k");
-        let d = leased.consume(&key, 1).await.unwrap();
-        assert_eq!(d.source, Source::Lease, "a block of 125, valid to 1.15 s");
-        clock.set(T0 + 950_000);
-        leased.set_quota("hot", quota(1)).unwrap();
-        // Any decision under the new quota moves the count into its window, [0 s, 1 s).
-        leased.peek(&key).await.unwrap();
-        clock.set(T0 + 1_050_000);
-        let mut admitted = 0;
-        for _ in 0..1200 {
+                .unwrap();
+            let key = Key::new("k");
             let d = leased.consume(&key, 1).await.unwrap();
-            assert!(!d.degraded);
-            admitted += u64::from(d.allowed);
+            assert_eq!(d.source, Source::Lease, "a block of 125, valid to 1.15 s");
+            clock.set(T0 + 950_000);
+            if by_override {
+                leased.set_override("hot", &key, Some(quota(1))).unwrap();
+            } else {
+                leased.set_quota("hot", quota(1)).unwrap();
+            }
+            // Any decision under the new quota moves the count into its window, [0 s, 1 s).
+            leased.peek(&key).await.unwrap();
+            clock.set(T0 + 1_050_000);
+            // The key's own quota removed, the rule's 2 s window reads the count of a 1 s one
+            // that has ended: none of the block's permits are counted any more.
+            let mut admitted = 0;
+            if by_override {
+                leased.set_override("hot", &key, None).unwrap();
+            }
+            for _ in 0..1200 {
+                let d = leased.consume(&key, 1).await.unwrap();
+                assert!(!d.degraded);
+                admitted += u64::from(d.allowed);
+            }
+            assert!(
+                admitted <= 1000,
+                "{admitted} admitted in [1 s, 2 s) under quotas of 1000 (override: {by_override})"
+            );
         }
-        assert!(
-            admitted <= 1000,
-            "{admitted} admitted in the window [1 s, 2 s) of a quota of 1000 per second"
-        );
     }
 
     #[tokio::test(start_paused = true)]
