@@ -613,3 +613,53 @@ async fn remembered_answers_are_computed_when_they_are_given() {
         granted.reset_after - Duration::from_secs(3)
     );
 }
+
+/// A lease Redis grants after its request has gone (the deadline passed, or the caller dropped
+/// it) still took its block: the permits come back rather than stay out of the window (a block
+/// per timeout, a whole day's quota after a few, on a daily rule).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_answered_after_its_request_is_gone_is_given_back() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(100, Duration::from_secs(60), Algorithm::FixedWindow);
+    let store = RedisStore::builder()
+        .clock(clock.clone())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let leased = Limiter::builder(store)
+        .rule(hot.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(Duration::from_millis(50))
+        .lease("hot", LeaseConfig::fixed(10))
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let observer = limiter(&server, &clock, hot, None).await;
+    let key = Key::new("k");
+    // Leased, then its block given back: the next request must lease again.
+    assert_eq!(leased.consume(&key, 1).await.unwrap().source, Source::Lease);
+    leased.release_leases().await;
+    let before = observer.peek(&key).await.unwrap().remaining;
+    server.pause();
+    // One request waits out its deadline on the lease call; another is dropped meanwhile.
+    assert!(leased.consume(&key, 1).await.unwrap().degraded);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(5), leased.consume(&key, 1))
+            .await
+            .is_err()
+    );
+    server.resume();
+    let started = std::time::Instant::now();
+    loop {
+        let left = observer.peek(&key).await.unwrap().remaining;
+        if left == before {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{left} left, {before} before the lease nobody received"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -97,6 +97,51 @@ impl Block {
     }
 }
 
+/// A lease's answer on its way to the request that asked for it: dropped unclaimed (the request
+/// gave up at its deadline, or was dropped), it gives the permits it holds back.
+struct Unclaimed(Option<LeaseAnswer>);
+
+/// The store's answer to a lease, with what it takes to give the permits back.
+struct LeaseAnswer {
+    lease: Result<crate::store::Lease, crate::StoreError>,
+    inner: Arc<Inner>,
+    rule: Rule,
+    key: Key,
+}
+
+impl Unclaimed {
+    fn claim(&mut self) -> Result<crate::store::Lease, crate::StoreError> {
+        match self.0.take() {
+            Some(answer) => answer.lease,
+            None => Err(crate::StoreError::Protocol("a lease claimed twice".into())),
+        }
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        let Some(LeaseAnswer {
+            lease: Ok(lease),
+            inner,
+            rule,
+            key,
+        }) = self.0.take()
+        else {
+            return;
+        };
+        if lease.listed || lease.permits == 0 {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let taken = lease.taken.part(lease.permits);
+        runtime.spawn(async move {
+            inner.return_permits(&rule, &key, taken).await;
+        });
+    }
+}
+
 /// A key in leased mode.
 #[derive(Debug)]
 struct Slot {
@@ -326,7 +371,7 @@ impl Inner {
         // Counted when made: a lease the breaker skips is no lease request.
         let lease = async {
             self.leases.lease_calls.fetch_add(1, Ordering::Relaxed);
-            self.store.lease(lease_check, config.max_validity).await
+            self.lease_owned(lease_check, config.max_validity).await
         };
         let Some(lease) = self
             .call_store("lease", std::slice::from_ref(check), deadline, lease)
@@ -404,6 +449,45 @@ impl Inner {
                 Ok(d)
             }
             None => Ok(self.policy_decision(check)),
+        }
+    }
+
+    /// A lease from the store, in a task of its own: once sent, the script runs, so a lease
+    /// answered after this request's deadline (or after the request was dropped) has taken its
+    /// block all the same. Whoever receives it owns the permits: this request, or, when it has
+    /// gone, [`Unclaimed`], which gives them back rather than leave up to a block per timeout
+    /// out of the window (a whole day's quota, after a few, on a daily rule).
+    async fn lease_owned(
+        &self,
+        check: Check<'_>,
+        max_validity: Duration,
+    ) -> Result<crate::store::Lease, crate::StoreError> {
+        let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
+        else {
+            return self.store.lease(check, max_validity).await;
+        };
+        let (rule, key, cost) = (check.rule.clone(), check.key.clone(), check.cost);
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        runtime.spawn(async move {
+            let check = Check {
+                rule: &rule,
+                key: &key,
+                cost,
+            };
+            let lease = me.store.lease(check, max_validity).await;
+            // Refused when the request has gone: then `Unclaimed` drops here and gives back.
+            let _ = answer.send(Unclaimed(Some(LeaseAnswer {
+                lease,
+                inner: me.clone(),
+                rule: rule.clone(),
+                key: key.clone(),
+            })));
+        });
+        match answered.await {
+            Ok(mut unclaimed) => unclaimed.claim(),
+            Err(_) => Err(crate::StoreError::Protocol(
+                "the lease task ended without an answer".into(),
+            )),
         }
     }
 
