@@ -69,9 +69,9 @@ impl std::fmt::Debug for OutboundLayer {
 }
 
 impl OutboundLayer {
-    /// Calls through `limiter`'s rules, keyed by the request URI's host and port (the scheme's
-    /// port when none is written, so `https://p.example/` and `https://p.example:443/` share
-    /// one quota), waiting at most 1 s for a turn; a pushback pauses the destination for at
+    /// Calls through `limiter`'s rules, keyed by the request URI's host and port (left out when
+    /// it is the scheme's, so `https://p.example/` and `https://p.example:443/` share one
+    /// quota), waiting at most 1 s for a turn; a pushback pauses the destination for at
     /// most [`DEFAULT_MAX_PAUSE`].
     pub fn new(limiter: Limiter) -> Self {
         OutboundLayer {
@@ -205,21 +205,23 @@ impl OutboundLayer {
     }
 }
 
-/// The default outbound key: the destination's host, lowercased, and port, the scheme's default
-/// when none is written (user information is left out).
+/// The default outbound key: the destination's host, lowercased, with its port unless it is the
+/// scheme's default (user information is left out). Without the default port, so that the key
+/// is the one earlier builds made from `https://p.example/`: during a rolling deploy both count
+/// in one place.
 fn destination(uri: &http::Uri) -> Key {
     let Some(host) = uri.host() else {
         return Key::new("");
     };
-    let port = uri.port_u16().or(match uri.scheme_str() {
+    let default_port = match uri.scheme_str() {
         Some(s) if s.eq_ignore_ascii_case("https") || s.eq_ignore_ascii_case("wss") => Some(443),
         Some(s) if s.eq_ignore_ascii_case("http") || s.eq_ignore_ascii_case("ws") => Some(80),
         _ => None,
-    });
+    };
     let host = host.to_ascii_lowercase();
-    Key::new(match port {
-        Some(port) => format!("{host}:{port}"),
-        None => host,
+    Key::new(match uri.port_u16() {
+        Some(port) if Some(port) != default_port => format!("{host}:{port}"),
+        _ => host,
     })
 }
 
@@ -369,11 +371,15 @@ mod tests {
     #[test]
     fn one_destination_is_one_key_however_it_is_written() {
         let key = |uri: &str| destination(&uri.parse().unwrap());
-        let api = Key::new("api.p.example:443");
+        let api = Key::new("api.p.example");
         assert_eq!(key("https://api.p.example/v1"), api);
         assert_eq!(key("https://API.p.example:443/v1"), api);
         assert_eq!(key("https://user:secret@api.p.example/v1"), api);
-        assert_eq!(key("http://api.p.example/"), Key::new("api.p.example:80"));
+        assert_eq!(key("http://api.p.example:80/"), api);
+        assert_eq!(
+            key("https://api.p.example:80/"),
+            Key::new("api.p.example:80")
+        );
         assert_eq!(
             key("http://api.p.example:8080/"),
             Key::new("api.p.example:8080")

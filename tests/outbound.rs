@@ -235,7 +235,7 @@ async fn pushback_is_bounded_and_never_shortens_a_pause() {
         .build()
         .unwrap();
     for (name, limiter) in [("memory", memory), ("redis", redis)] {
-        let key = fleetlimit::Key::new("p.example:443");
+        let key = fleetlimit::Key::new("p.example");
         // The destination answers `retry_after`, after another instance was told `first`.
         let call = |first: Option<Duration>, retry_after: &'static str| {
             let other_instance = limiter.clone();
@@ -244,7 +244,7 @@ async fn pushback_is_bounded_and_never_shortens_a_pause() {
                 async move {
                     if let Some(first) = first {
                         limiter
-                            .pause_at_least(&fleetlimit::Key::new("p.example:443"), first)
+                            .pause_at_least(&fleetlimit::Key::new("p.example"), first)
                             .await
                             .unwrap();
                     }

@@ -635,7 +635,6 @@ async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
     // A load over many keys, user-0's first: its TTLs are read at once, before real time
     // (which Redis counts them down in) has moved on much.
     let mut receipts = Vec::new();
-    let k = Key::new("user-0");
     for i in 0..200 {
         let k = Key::new(format!("user-{i}"));
         for (r, _) in &rules {
@@ -667,10 +666,33 @@ async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
                     r.name()
                 );
             }
+            // Giving everything back leaves nothing that matters: the key is gone at once.
+            for (j, (r, _)) in rules.iter().enumerate() {
+                let key = store.key_for(r, &k);
+                let exists = || server.cmd_bytes(&[b"EXISTS", &key]).unwrap().as_int();
+                assert_eq!(exists(), Some(1), "{} is there before", r.name());
+                let refunds: Vec<Refund<'_>> = receipts[3 * j..3 * j + 3]
+                    .iter()
+                    .map(|&taken| Refund {
+                        rule: r,
+                        key: &k,
+                        taken,
+                    })
+                    .collect();
+                store.refund(&refunds).await.unwrap();
+                assert_eq!(exists(), Some(0), "{} kept an empty state", r.name());
+            }
         }
     }
+    // Every other user's keys, and user-0's marks of the refunds received (so that one sent
+    // twice gives back once), each with a TTL.
     let keys = scan_all(&server, "hygiene:*");
-    assert_eq!(keys.len(), 200 * rules.len());
+    let marks = keys
+        .iter()
+        .filter(|k| k.starts_with(b"hygiene:{kuser-0}:"))
+        .count();
+    assert_eq!(marks, rules.len(), "one refund mark per rule");
+    assert_eq!(keys.len(), 199 * rules.len() + marks);
     for key in &keys {
         // -1: no TTL (-2, gone since the scan, is a TTL that ended).
         let ttl = pttl(&server, key);
@@ -679,22 +701,6 @@ async fn every_key_has_a_ttl_no_longer_than_its_state_matters() {
             "{} has no TTL ({ttl})",
             String::from_utf8_lossy(key)
         );
-    }
-    // Giving everything back leaves nothing that matters: the key is gone at once.
-    for (j, (r, _)) in rules.iter().enumerate() {
-        let refunds: Vec<Refund<'_>> = receipts[3 * j..3 * j + 3]
-            .iter()
-            .map(|&taken| Refund {
-                rule: r,
-                key: &k,
-                taken,
-            })
-            .collect();
-        store.refund(&refunds).await.unwrap();
-        let exists = server
-            .cmd_bytes(&[b"EXISTS", &store.key_for(r, &k)])
-            .unwrap();
-        assert_eq!(exists.as_int(), Some(0), "{} kept an empty state", r.name());
     }
     // Denied and peeked keys leave nothing behind.
     let fresh = Key::new("never-admitted");

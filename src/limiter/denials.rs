@@ -140,13 +140,14 @@ impl DenialCache {
     }
 
     /// The store admitted `key` at `cost` for a call made at `asked_at`: a denial it gave for an
-    /// earlier call no longer stands if this admission proves it (a cost no larger, or any cost
+    /// earlier call (strictly: of two calls in one microsecond, either may be the later) no
+    /// longer stands if this admission proves it (a cost no larger, or any cost
     /// against a listing: the key was reset, unblocked, its quota raised, permits came back).
     /// Kept, it would still refuse the key through an outage, up to its old retry time.
     fn admitted(&self, key: &SlotKey, cost: u64, asked_at: u64) {
         let mut shard = self.shard(key);
         let disproved = shard.get(key).is_some_and(|r| {
-            r.asked_at <= asked_at && (r.cost <= cost || r.decision.listed.is_listed())
+            r.asked_at < asked_at && (r.cost <= cost || r.decision.listed.is_listed())
         });
         if disproved {
             shard.remove(key);

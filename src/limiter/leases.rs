@@ -107,6 +107,8 @@ struct LeaseAnswer {
     inner: Arc<Inner>,
     rule: Rule,
     key: Key,
+    /// Where the give-back runs: the answer may be dropped outside any runtime's context.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Unclaimed {
@@ -120,11 +122,14 @@ impl Unclaimed {
 
 impl Drop for Unclaimed {
     fn drop(&mut self) {
+        // An error answer holds no receipt to give back through: a lease that ran after
+        // redis-rs's own response timeout is lost, as a consume that ran after its deadline is.
         let Some(LeaseAnswer {
             lease: Ok(lease),
             inner,
             rule,
             key,
+            runtime,
         }) = self.0.take()
         else {
             return;
@@ -132,14 +137,17 @@ impl Drop for Unclaimed {
         if lease.listed || lease.permits == 0 {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let taken = lease.taken.part(lease.permits);
         runtime.spawn(async move {
-            inner.return_permits(&rule, &key, taken).await;
+            inner.return_unclaimed(&rule, &key, taken).await;
         });
     }
+}
+
+/// How long a store call made in the background (a lease nobody may wait for, a give-back)
+/// may take: many decision deadlines, at least a second.
+fn background_bound(deadline: Duration) -> Duration {
+    deadline.saturating_mul(20).max(Duration::from_secs(1))
 }
 
 /// A key in leased mode.
@@ -474,13 +482,18 @@ impl Inner {
                 key: &key,
                 cost,
             };
-            let lease = me.store.lease(check, max_validity).await;
+            // Bounded, so that a node that never answers leaves no task behind.
+            let bound = background_bound(me.deadline);
+            let lease = tokio::time::timeout(bound, me.store.lease(check, max_validity))
+                .await
+                .unwrap_or(Err(crate::StoreError::Timeout(bound)));
             // Refused when the request has gone: then `Unclaimed` drops here and gives back.
             let _ = answer.send(Unclaimed(Some(LeaseAnswer {
                 lease,
                 inner: me.clone(),
                 rule: rule.clone(),
                 key: key.clone(),
+                runtime: tokio::runtime::Handle::current(),
             })));
         });
         match answered.await {
@@ -511,6 +524,26 @@ impl Inner {
         runtime.spawn(async move {
             me.return_permits(&rule, &key, taken).await;
         });
+    }
+
+    /// Return the permits of a lease nobody received, straight to the store: past the breaker,
+    /// which the very timeouts that left the block unclaimed may have opened (it would skip
+    /// the refund, and the permits would stay out of the window), within a bound of its own.
+    async fn return_unclaimed(&self, rule: &Rule, key: &Key, taken: Taken) {
+        let refund = [Refund { rule, key, taken }];
+        let bound = background_bound(self.deadline);
+        let given = tokio::time::timeout(bound, self.store.refund(&refund))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if given {
+            super::telemetry::lease_returned(rule, taken.cost());
+        } else {
+            super::telemetry::lease_expired(rule, taken.cost());
+            tracing::warn!(
+                rule = rule.name(),
+                "fleetlimit: could not give back a leased block nobody received; its permits return when the window ends or the bucket refills"
+            );
+        }
     }
 
     /// Return unspent permits through their receipt; false when the store could not take them
