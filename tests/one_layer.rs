@@ -519,6 +519,35 @@ async fn put_chunks(app: &Router, chunks: usize) -> Response {
     app.clone().oneshot(req).await.unwrap()
 }
 
+/// Two rate-limit layers, each charging the body by size (a per-client byte quota outside, a
+/// route's inside): the outer layer's meter is charged as the body is read too, not replaced
+/// by the inner one's, so a chunked upload cannot pass the outer quota.
+#[tokio::test]
+async fn stacked_layers_each_charge_a_streamed_body() {
+    let outer = limiter(vec![rule("client-kib", 3)]);
+    let inner = limiter(vec![rule("route-kib", 1_000)]);
+    let layer = |limiter: &Limiter, name: &str| {
+        RateLimitLayer::builder(limiter.clone())
+            .key(key::header("x-api-key"))
+            .scope(name, Scope::new().cost_body(KIB))
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route(
+            "/files/{name}",
+            axum::routing::put(|body: bytes::Bytes| async move { body.len().to_string() }),
+        )
+        .layer(MeterBodyLayer)
+        .layer(layer(&inner, "route-kib"))
+        .layer(layer(&outer, "client-kib"));
+    let r = put_chunks(&app, 8).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "8 KiB past 3");
+    let tenant = Key::new("tenant-1");
+    assert_eq!(left(&outer, "client-kib", &tenant).await, 0);
+    assert!(left(&inner, "route-kib", &tenant).await >= 1_000 - 8);
+}
+
 #[tokio::test]
 async fn streamed_bodies_are_charged_by_the_bytes_read() {
     let limiter = limiter(vec![rule("upload-kib", 10)]);
@@ -775,4 +804,42 @@ async fn a_body_the_handler_accepts_always_has_its_key() {
             "{n}: the second guess for one account is refused"
         );
     }
+}
+
+/// A gRPC call is a stream, `application/grpc+json` too: `BufferBodyLayer` leaves it alone,
+/// so the handler is called at once (buffered, it would wait for the client's last message,
+/// which an interactive client sends only after an answer) and a large message is no JSON 413.
+#[tokio::test]
+async fn buffering_leaves_grpc_streams_alone() {
+    /// One 32-byte message of a stream the client keeps open.
+    struct OpenStream(Option<bytes::Bytes>);
+    impl http_body::Body for OpenStream {
+        type Data = bytes::Bytes;
+        type Error = std::io::Error;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>>
+        {
+            match self.0.take() {
+                Some(message) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(message)))),
+                None => std::task::Poll::Pending,
+            }
+        }
+    }
+    let app = Router::new()
+        .route("/p.S/Chat", post(|| async { "answered" }))
+        .layer(BufferBodyLayer::new(16));
+    let req = Request::post("/p.S/Chat")
+        .header("content-type", "application/grpc+json")
+        .body(Body::new(OpenStream(Some(bytes::Bytes::from(vec![
+            b'{';
+            32
+        ])))))
+        .unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(2), app.oneshot(req))
+        .await
+        .expect("the handler waited for the end of the stream")
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
 }

@@ -124,6 +124,10 @@ impl BufferConfig {
     fn wants(&self, parts: &Parts) -> bool {
         match &self.only {
             Some(scope) => scope.matches(parts),
+            // A gRPC call (`application/grpc+json` too) is a stream: buffered, its handler
+            // would wait for the client's last message, which an interactive client sends
+            // only after an answer.
+            None if super::response::is_grpc(parts) => false,
             None => parts
                 .headers
                 .get(header::CONTENT_TYPE)

@@ -67,9 +67,10 @@ pub(crate) struct Meter {
     attached: AtomicBool,
 }
 
-/// The request extension carrying a [`Meter`].
+/// The request extension carrying the [`Meter`]s of every rate-limit layer the request went
+/// through, outermost first.
 #[derive(Clone)]
-pub(crate) struct BodyMeter(pub(crate) Arc<Meter>);
+pub(crate) struct BodyMeter(pub(crate) Vec<Arc<Meter>>);
 
 impl Meter {
     pub(crate) fn new(limiter: Limiter) -> Meter {
@@ -240,13 +241,17 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> S::Future {
-        let meter = req.extensions().get::<BodyMeter>().map(|m| m.0.clone());
-        if let Some(meter) = &meter {
+        let meters = req
+            .extensions()
+            .get::<BodyMeter>()
+            .map(|m| m.0.clone())
+            .unwrap_or_default();
+        for meter in &meters {
             meter.attached.store(true, Ordering::Relaxed);
         }
         self.inner.call(req.map(|inner| MeteredBody {
             inner,
-            meter,
+            meters,
             read: 0,
             pending: None,
             done: false,
@@ -254,9 +259,11 @@ where
     }
 }
 
-/// A charge waiting for the store, with the frame it is for.
+/// A charge waiting for the store, with the frame it is for and the meter it charges (the
+/// frame goes on once every meter from this one on is paid).
 struct Pending<D> {
     frame: Option<Frame<D>>,
+    meter: usize,
     targets: Vec<Target>,
     charge: BoxFuture<'static, Result<Vec<Decision>, Error>>,
 }
@@ -267,7 +274,7 @@ pin_project! {
     pub struct MeteredBody<B> {
         #[pin]
         inner: B,
-        meter: Option<Arc<Meter>>,
+        meters: Vec<Arc<Meter>>,
         read: u64,
         pending: Option<Pending<bytes::Bytes>>,
         done: bool,
@@ -277,7 +284,7 @@ pin_project! {
 impl<B> std::fmt::Debug for MeteredBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MeteredBody")
-            .field("metered", &self.meter.is_some())
+            .field("meters", &self.meters.len())
             .field("read", &self.read)
             .finish_non_exhaustive()
     }
@@ -299,57 +306,71 @@ where
         if *this.done {
             return Poll::Ready(None);
         }
-        if let Some(pending) = this.pending.as_mut() {
-            let result = ready!(pending.charge.as_mut().poll(cx));
-            let frame = pending.frame.take();
-            let targets = std::mem::take(&mut pending.targets);
-            *this.pending = None;
-            return Poll::Ready(settled(this.meter, this.done, &targets, result, frame));
-        }
-        let frame = match ready!(this.inner.as_mut().poll_frame(cx)) {
-            None => return Poll::Ready(None),
-            Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
-            Some(Ok(frame)) => frame.map_data(|mut data| data.copy_to_bytes(data.remaining())),
+        // The frame being paid for, and the first meter not yet charged for it.
+        let (frame, from) = match this.pending.take() {
+            Some(mut pending) => match pending.charge.as_mut().poll(cx) {
+                Poll::Pending => {
+                    *this.pending = Some(pending);
+                    return Poll::Pending;
+                }
+                Poll::Ready(result) => {
+                    let meter = &this.meters[pending.meter];
+                    if meter.settle(&pending.targets, result).is_err() {
+                        *this.done = true;
+                        return Poll::Ready(Some(Err(Box::new(BodyRateLimited))));
+                    }
+                    (pending.frame, pending.meter + 1)
+                }
+            },
+            None => {
+                let frame = match ready!(this.inner.as_mut().poll_frame(cx)) {
+                    None => return Poll::Ready(None),
+                    Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
+                    Some(Ok(frame)) => {
+                        frame.map_data(|mut data| data.copy_to_bytes(data.remaining()))
+                    }
+                };
+                let Some(data) = frame.data_ref() else {
+                    return Poll::Ready(Some(Ok(frame)));
+                };
+                *this.read = this.read.saturating_add(data.len() as u64);
+                (Some(frame), 0)
+            }
         };
-        let (Some(meter), Some(data)) = (this.meter.as_ref(), frame.data_ref()) else {
-            return Poll::Ready(Some(Ok(frame)));
-        };
-        *this.read = this.read.saturating_add(data.len() as u64);
-        let targets = meter.owed(*this.read);
-        if targets.is_empty() {
-            return Poll::Ready(Some(Ok(frame)));
-        }
-        if let Some(decisions) = meter.limiter.consume_now(&targets) {
-            let result = Ok(decisions.into_vec());
-            return Poll::Ready(settled(
-                this.meter,
-                this.done,
-                &targets,
-                result,
-                Some(frame),
-            ));
-        }
-        let limiter = meter.limiter.clone();
-        let owed = targets.clone();
-        let mut charge: BoxFuture<'static, _> =
-            Box::pin(async move { limiter.apply_indexed(Op::Consume, &owed).await });
-        match charge.as_mut().poll(cx) {
-            Poll::Ready(result) => Poll::Ready(settled(
-                this.meter,
-                this.done,
-                &targets,
-                result,
-                Some(frame),
-            )),
-            Poll::Pending => {
-                *this.pending = Some(Pending {
-                    frame: Some(frame),
-                    targets,
-                    charge,
-                });
-                Poll::Pending
+        // Each layer's meter in turn, outermost first: the frame goes on once all have paid.
+        for i in from..this.meters.len() {
+            let meter = &this.meters[i];
+            let targets = meter.owed(*this.read);
+            if targets.is_empty() {
+                continue;
+            }
+            let result = match meter.limiter.consume_now(&targets) {
+                Some(decisions) => Ok(decisions.into_vec()),
+                None => {
+                    let limiter = meter.limiter.clone();
+                    let owed = targets.clone();
+                    let mut charge: BoxFuture<'static, _> =
+                        Box::pin(async move { limiter.apply_indexed(Op::Consume, &owed).await });
+                    match charge.as_mut().poll(cx) {
+                        Poll::Ready(result) => result,
+                        Poll::Pending => {
+                            *this.pending = Some(Pending {
+                                frame,
+                                meter: i,
+                                targets,
+                                charge,
+                            });
+                            return Poll::Pending;
+                        }
+                    }
+                }
+            };
+            if meter.settle(&targets, result).is_err() {
+                *this.done = true;
+                return Poll::Ready(Some(Err(Box::new(BodyRateLimited))));
             }
         }
+        Poll::Ready(frame.map(Ok))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -358,24 +379,5 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-/// The frame, once its bytes are paid for; else the error that ends the body.
-fn settled(
-    meter: &Option<Arc<Meter>>,
-    done: &mut bool,
-    targets: &[Target],
-    result: Result<Vec<Decision>, Error>,
-    frame: Option<Frame<bytes::Bytes>>,
-) -> Option<Result<Frame<bytes::Bytes>, BoxError>> {
-    let paid = meter
-        .as_ref()
-        .is_none_or(|m| m.settle(targets, result).is_ok());
-    if paid {
-        frame.map(Ok)
-    } else {
-        *done = true;
-        Some(Err(Box::new(BodyRateLimited)))
     }
 }

@@ -87,7 +87,14 @@ impl Verdict {
             req.extensions_mut().insert(merge(ours, Some(outer)));
         }
         if let Some(meter) = self.meter_for_body() {
-            req.extensions_mut().insert(BodyMeter(meter.clone()));
+            // Beside an outer layer's meter, never in its place: each layer's rules are charged
+            // as the body is read.
+            match req.extensions_mut().get_mut::<BodyMeter>() {
+                Some(outer) => outer.0.push(meter.clone()),
+                None => {
+                    req.extensions_mut().insert(BodyMeter(vec![meter.clone()]));
+                }
+            }
             self.meter = Some(meter);
         }
     }
