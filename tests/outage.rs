@@ -45,6 +45,32 @@ async fn limiter(url: &str, policy: OnStoreError, limit: u64) -> Limiter {
         .unwrap()
 }
 
+/// A limiter of `rules` on `server`, the store and the limiter on `clock`, with `policy`.
+fn on_a_manual_clock(
+    server: &RedisServer,
+    clock: &fleetlimit::ManualClock,
+    rules: Vec<Rule>,
+    policy: OnStoreError,
+) -> impl std::future::Future<Output = Limiter> {
+    let (url, clock) = (server.url(), clock.clone());
+    async move {
+        let store = RedisStore::builder()
+            .clock(clock.clone())
+            .connect_timeout(Duration::from_secs(2))
+            .connect(&url)
+            .await
+            .unwrap();
+        rules
+            .into_iter()
+            .fold(Limiter::builder(store), |b, r| b.rule(r))
+            .on_store_error(policy)
+            .deadline(DEADLINE)
+            .clock(clock)
+            .build()
+            .unwrap()
+    }
+}
+
 /// One decision, timed.
 #[derive(Debug, Clone)]
 struct Sample {
@@ -567,26 +593,14 @@ async fn listings_the_store_applied_decide_their_keys_through_an_outage() {
     let mut server = RedisServer::start();
     let clock = fleetlimit::ManualClock::new(1_900_000_000_000_000);
     let build = |policy: OnStoreError| {
-        let (url, clock) = (server.url(), clock.clone());
-        async move {
-            let store = RedisStore::builder()
-                .clock(clock.clone())
-                .connect_timeout(Duration::from_secs(2))
-                .connect(&url)
-                .await
-                .unwrap();
-            let per_hour = Quota::per_hour(1_000).build().unwrap();
-            let per_minute = Quota::per_minute(100).build().unwrap();
-            Limiter::builder(store)
-                // The rule spent below is the last: its answer is the last one seen.
-                .rule(Rule::new("per-hour", per_hour).unwrap())
-                .rule(Rule::new("per-minute", per_minute).unwrap())
-                .on_store_error(policy)
-                .deadline(DEADLINE)
-                .clock(clock)
-                .build()
-                .unwrap()
-        }
+        let per_hour = Quota::per_hour(1_000).build().unwrap();
+        let per_minute = Quota::per_minute(100).build().unwrap();
+        // The rule spent below is the last: its answer is the last one seen.
+        let rules = vec![
+            Rule::new("per-hour", per_hour).unwrap(),
+            Rule::new("per-minute", per_minute).unwrap(),
+        ];
+        on_a_manual_clock(&server, &clock, rules, policy)
     };
     let admin = build(OnStoreError::FailOpen).await;
     let open = build(OnStoreError::FailOpen).await;
@@ -787,24 +801,7 @@ async fn an_inner_layers_outage_refusal_still_reads_as_a_refusal() {
 async fn a_denial_the_store_has_since_lifted_does_not_refuse_through_an_outage() {
     let mut server = RedisServer::start();
     let clock = fleetlimit::ManualClock::new(1_900_000_000_000_000);
-    let build = || {
-        let (url, clock) = (server.url(), clock.clone());
-        async move {
-            let store = RedisStore::builder()
-                .clock(clock.clone())
-                .connect_timeout(Duration::from_secs(2))
-                .connect(&url)
-                .await
-                .unwrap();
-            Limiter::builder(store)
-                .rule(rule(100))
-                .on_store_error(OnStoreError::FailOpen)
-                .deadline(DEADLINE)
-                .clock(clock)
-                .build()
-                .unwrap()
-        }
-    };
+    let build = || on_a_manual_clock(&server, &clock, vec![rule(100)], OnStoreError::FailOpen);
     let (a, admin) = (build().await, build().await);
     let key = Key::new("lifted");
     admin.deny(&key).await.unwrap();

@@ -139,7 +139,7 @@ impl Drop for Unclaimed {
         }
         let taken = lease.taken.part(lease.permits);
         runtime.spawn(async move {
-            inner.return_unclaimed(&rule, &key, taken).await;
+            inner.return_permits(&rule, &key, taken, true).await;
         });
     }
 }
@@ -522,43 +522,33 @@ impl Inner {
         };
         let (rule, key) = (check.rule.clone(), check.key.clone());
         runtime.spawn(async move {
-            me.return_permits(&rule, &key, taken).await;
+            me.return_permits(&rule, &key, taken, false).await;
         });
-    }
-
-    /// Return the permits of a lease nobody received, straight to the store: past the breaker,
-    /// which the very timeouts that left the block unclaimed may have opened (it would skip
-    /// the refund, and the permits would stay out of the window), within a bound of its own.
-    async fn return_unclaimed(&self, rule: &Rule, key: &Key, taken: Taken) {
-        let refund = [Refund { rule, key, taken }];
-        let bound = background_bound(self.deadline);
-        let given = tokio::time::timeout(bound, self.store.refund(&refund))
-            .await
-            .is_ok_and(|r| r.is_ok());
-        if given {
-            super::telemetry::lease_returned(rule, taken.cost());
-        } else {
-            super::telemetry::lease_expired(rule, taken.cost());
-            tracing::warn!(
-                rule = rule.name(),
-                "fleetlimit: could not give back a leased block nobody received; its permits return when the window ends or the bucket refills"
-            );
-        }
     }
 
     /// Return unspent permits through their receipt; false when the store could not take them
     /// (they come back by themselves when the window ends or the bucket refills).
-    async fn return_permits(&self, rule: &Rule, key: &Key, taken: Taken) -> bool {
+    /// `unclaimed`: a lease nobody received, sent straight to the store, within a bound of its
+    /// own: past the breaker, which the very timeouts that left the block unclaimed may have
+    /// opened (it would skip the refund, and the permits would stay out of the window).
+    async fn return_permits(&self, rule: &Rule, key: &Key, taken: Taken, unclaimed: bool) -> bool {
         let refund = [Refund { rule, key, taken }];
-        let given = self
-            .give_back(&refund, Deadline::after(self.deadline))
-            .await;
+        let given = if unclaimed {
+            let bound = background_bound(self.deadline);
+            tokio::time::timeout(bound, self.store.refund(&refund))
+                .await
+                .is_ok_and(|r| r.is_ok())
+        } else {
+            self.give_back(&refund, Deadline::after(self.deadline))
+                .await
+        };
         if given {
             super::telemetry::lease_returned(rule, taken.cost());
         } else {
             super::telemetry::lease_expired(rule, taken.cost());
             tracing::debug!(
                 rule = rule.name(),
+                unclaimed,
                 "fleetlimit: could not give leased permits back; they return when the window ends or the bucket refills"
             );
         }
@@ -596,7 +586,7 @@ impl Inner {
         let block = slot.block.swap(Arc::new(Block::empty()));
         let rules = self.rules.load_full();
         if let (Some(rule), Some(taken)) = (rules.get(index), block.drain()) {
-            self.return_permits(rule, key, taken).await;
+            self.return_permits(rule, key, taken, false).await;
         }
     }
 
