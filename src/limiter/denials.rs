@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -47,6 +48,40 @@ pub(crate) struct DenialCache {
     /// How long a store's denial is trusted (µs).
     max_age: u64,
     hasher: hashbrown::DefaultHashBuilder,
+    /// Denials held, over every shard (kept by [`Locked`]): an admission, which may lift one,
+    /// looks no further while there are none, as is nearly always so.
+    held: AtomicUsize,
+}
+
+/// A shard, locked; on unlock, the change in its size goes into the cache's count.
+struct Locked<'a> {
+    map: std::sync::MutexGuard<'a, HashMap<SlotKey, Remembered>>,
+    before: usize,
+    held: &'a AtomicUsize,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = HashMap<SlotKey, Remembered>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.map
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let after = self.map.len();
+        if after > self.before {
+            self.held.fetch_add(after - self.before, Ordering::Relaxed);
+        } else if after < self.before {
+            self.held.fetch_sub(self.before - after, Ordering::Relaxed);
+        }
+    }
 }
 
 const SHARDS: usize = 16;
@@ -58,12 +93,27 @@ impl DenialCache {
             per_shard: capacity.div_ceil(SHARDS).max(1),
             max_age: micros(max_age),
             hasher: hashbrown::DefaultHashBuilder::default(),
+            held: AtomicUsize::new(0),
         }
     }
 
-    fn shard(&self, key: &SlotKey) -> std::sync::MutexGuard<'_, HashMap<SlotKey, Remembered>> {
+    fn lock<'a>(&'a self, shard: &'a Shard) -> Locked<'a> {
+        let map = shard.lock().unwrap_or_else(|e| e.into_inner());
+        Locked {
+            before: map.len(),
+            map,
+            held: &self.held,
+        }
+    }
+
+    fn shard(&self, key: &SlotKey) -> Locked<'_> {
         let i = self.hasher.hash_one(key) as usize % self.shards.len();
-        self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
+        self.lock(&self.shards[i])
+    }
+
+    /// Whether no denial is held: an admission then has none to lift.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.held.load(Ordering::Relaxed) == 0
     }
 
     /// The remembered denial of a request of `cost` at `now`, its waits counted down to now.
@@ -104,7 +154,10 @@ impl DenialCache {
     /// (so the remembered wait never outlasts the store's).
     pub(crate) fn remember(&self, key: SlotKey, cost: u64, d: &Decision, asked_at: u64) {
         if d.allowed {
-            return self.admitted(&key, cost, asked_at);
+            if !self.is_empty() {
+                self.admitted(&key, cost, asked_at);
+            }
+            return;
         }
         let Some(retry) = d.retry_after else {
             return;
@@ -157,7 +210,7 @@ impl DenialCache {
     /// Forget every remembered denial (the quotas changed).
     pub(crate) fn clear(&self) {
         for shard in self.shards.iter() {
-            shard.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            self.lock(shard).clear();
         }
     }
 
@@ -165,10 +218,7 @@ impl DenialCache {
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn forget(&self, key: &Key) {
         for shard in self.shards.iter() {
-            shard
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(_, k), _| k != key);
+            self.lock(shard).retain(|(_, k), _| k != key);
         }
     }
 }
@@ -247,6 +297,29 @@ mod tests {
             c.get_in_outage(&k, 5, 4_000).is_none(),
             "the listing is gone"
         );
+    }
+
+    /// The count of denials held, which lets admissions skip the cache, follows every way in
+    /// and out: remembered, lifted, over its time, forgotten, cleared.
+    #[test]
+    fn the_count_of_denials_held_follows_every_change() {
+        let c = DenialCache::new(100, Duration::from_secs(60));
+        let (a, b) = ((0, Key::new("a")), (0, Key::new("b")));
+        assert!(c.is_empty());
+        c.remember(a.clone(), 1, &denial(1_000, 1_000), 0);
+        c.remember(a.clone(), 1, &denial(1_000, 1_000), 10);
+        c.remember(b.clone(), 1, &denial(1_000, 1_000), 0);
+        assert_eq!(c.held.load(Ordering::Relaxed), 2, "a key counts once");
+        c.remember(a.clone(), 1, &Decision::admit(10, 5, Duration::ZERO), 20);
+        assert_eq!(c.held.load(Ordering::Relaxed), 1, "lifted");
+        assert!(c.get(&b, 1, 2_000_000).is_none());
+        assert!(c.is_empty(), "over its time");
+        c.remember(b.clone(), 1, &denial(1_000, 1_000), 0);
+        c.forget(&Key::new("b"));
+        assert!(c.is_empty(), "forgotten");
+        c.remember(b, 1, &denial(1_000, 1_000), 0);
+        c.clear();
+        assert!(c.is_empty(), "cleared");
     }
 
     #[test]

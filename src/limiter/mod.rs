@@ -1021,6 +1021,10 @@ impl Inner {
 
     /// Remember a store denial of a single-rule consume.
     fn remember(&self, check: &Check<'_>, d: &Decision, asked_at: u64) {
+        // An admission only lifts denials: none held, nothing to do (the common case).
+        if d.allowed && self.denials.as_ref().is_none_or(|c| c.is_empty()) {
+            return;
+        }
         if let (Some(cache), Some(index)) = (&self.denials, self.rule_index(check.rule)) {
             cache.remember((index, check.key.clone()), check.cost, d, asked_at);
         }
