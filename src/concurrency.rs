@@ -371,20 +371,29 @@ impl Drop for Pending<'_> {
     }
 }
 
-/// Give slot `id` back in the background (a call that timed out may have taken it).
+/// Give slot `id` back in the background (a call that timed out may have taken it, or the
+/// slot was held with no task of its own).
 fn release_later(limiter: Arc<Inner>, key: Key, id: u64) {
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            let call = limiter.store.slots(
-                SlotOp::Release,
-                &limiter.name,
-                &key,
-                id,
-                limiter.limit,
-                limiter.ttl,
-            );
-            let _ = call.await;
-        });
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move { release(&limiter, &key, id).await });
+        }
+        Err(_) => tracing::debug!("fleetlimit: a slot dropped outside a runtime expires by itself"),
+    }
+}
+
+/// Give slot `id` back; one that cannot be expires by itself.
+async fn release(limiter: &Inner, key: &Key, id: u64) {
+    let call = limiter.store.slots(
+        SlotOp::Release,
+        &limiter.name,
+        key,
+        id,
+        limiter.limit,
+        limiter.ttl,
+    );
+    if let Err(error) = call.await {
+        tracing::debug!(%error, "fleetlimit: a slot could not be given back; it expires by itself");
     }
 }
 
@@ -408,7 +417,8 @@ enum Held {
         limiter: Arc<Inner>,
         key: Key,
         id: u64,
-        renewal: Option<tokio::task::AbortHandle>,
+        /// Dropped (with the slot) to have the renewing task give the slot back.
+        renewal: Option<tokio::sync::oneshot::Sender<()>>,
     },
     /// In this process's fallback.
     Local {
@@ -433,41 +443,50 @@ impl std::fmt::Debug for Slot {
 }
 
 impl Slot {
+    /// A slot the store holds: one task renews it while it lives and, told by the drop, gives
+    /// it back, so a renewal can never land after the release (a late renewal would hold the
+    /// slot again, for a ttl, for nobody).
     fn held(limiter: Arc<Inner>, key: Key, id: u64) -> Slot {
         let renewal = tokio::runtime::Handle::try_current().ok().map(|runtime| {
             let (limiter, key) = (limiter.clone(), key.clone());
-            runtime
-                .spawn(async move {
-                    let every = limiter.ttl / 3;
-                    // A slot lives a ttl from the last renewal that landed: one that fails is
-                    // tried again soon, not a third later (two thirds after a failure, the next
-                    // try came when the slot had expired, and the request went on without it).
-                    let retry = limiter.ttl / 10;
-                    let mut wait = every;
-                    loop {
-                        tokio::time::sleep(wait).await;
-                        let renew = limiter.store.slots(
-                            SlotOp::Renew,
-                            &limiter.name,
-                            &key,
-                            id,
-                            limiter.limit,
-                            limiter.ttl,
-                        );
-                        wait = match tokio::time::timeout(retry, renew).await {
-                            Ok(Ok((true, _))) => every,
-                            Ok(Ok((false, _))) => {
-                                tracing::warn!(
-                                    name = %limiter.name,
-                                    "fleetlimit: a concurrency slot expired before it was renewed (the store was out longer than its ttl)"
-                                );
-                                return;
-                            }
-                            _ => retry,
-                        };
+            let (dropped, mut released) = tokio::sync::oneshot::channel::<()>();
+            runtime.spawn(async move {
+                let every = limiter.ttl / 3;
+                // A slot lives a ttl from the last renewal that landed: one that fails is tried
+                // again soon, not a third later (two thirds after a failure, the next try came
+                // when the slot had expired, and the request went on without it).
+                let retry = limiter.ttl / 10;
+                let mut wait = every;
+                loop {
+                    if tokio::time::timeout(wait, &mut released).await.is_ok() {
+                        break;
                     }
-                })
-                .abort_handle()
+                    let renew = limiter.store.slots(
+                        SlotOp::Renew,
+                        &limiter.name,
+                        &key,
+                        id,
+                        limiter.limit,
+                        limiter.ttl,
+                    );
+                    wait = match tokio::time::timeout(retry, renew).await {
+                        Ok(Ok((true, _))) => every,
+                        Ok(Ok((false, held))) => {
+                            // The request is still in flight: the store holds its slot again,
+                            // so the fleet's count is true again (new requests wait for it).
+                            tracing::warn!(
+                                name = %limiter.name,
+                                held,
+                                "fleetlimit: the store had lost a concurrency slot in use (a restart, a failover, or an outage longer than its ttl); it is held again"
+                            );
+                            every
+                        }
+                        _ => retry,
+                    };
+                }
+                release(&limiter, &key, id).await;
+            });
+            dropped
         });
         Slot {
             held: Held::Store {
@@ -506,29 +525,9 @@ impl Drop for Slot {
                 id,
                 renewal,
             } => {
-                if let Some(renewal) = renewal {
-                    renewal.abort();
-                }
-                let release = async move {
-                    let call = limiter.store.slots(
-                        SlotOp::Release,
-                        &limiter.name,
-                        &key,
-                        id,
-                        limiter.limit,
-                        limiter.ttl,
-                    );
-                    if let Err(error) = call.await {
-                        tracing::debug!(%error, "fleetlimit: a slot could not be given back; it expires by itself");
-                    }
-                };
-                match tokio::runtime::Handle::try_current() {
-                    Ok(runtime) => {
-                        runtime.spawn(release);
-                    }
-                    Err(_) => tracing::debug!(
-                        "fleetlimit: a slot dropped outside a runtime expires by itself"
-                    ),
+                // Its renewing task gives it back (dropping the sender tells it to).
+                if renewal.is_none() {
+                    release_later(limiter, key, id);
                 }
             }
             Held::Local {
@@ -835,6 +834,47 @@ mod tests {
             );
         }
         drop(held);
+    }
+
+    /// The store loses a slot in use (here renewals go unanswered past its ttl; on Redis a
+    /// restart or failover does the same): the next renewal holds it again, so a second
+    /// request is refused from then on instead of running beside the first for as long as it
+    /// lasts. Dropped, the slot is given back by the task that renewed it.
+    #[tokio::test(start_paused = true)]
+    async fn a_slot_the_store_lost_is_held_again() {
+        let store = MemoryStore::builder()
+            .clock(TokioClock(tokio::time::Instant::now()))
+            .build()
+            .unwrap();
+        // At the default ttl (5 s) renewals come at 1.67 s, then a lost one is retried 0.5 s
+        // after its 0.5 s timeout: four lost ones go up to 5.67 s, past the slot's expiry at 5.
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::ZERO,
+            lost_renewals: 4.into(),
+        };
+        let limiter = ConcurrencyLimiter::builder(link, "in-flight", 1)
+            .on_store_error(OnStoreError::fail_closed())
+            .build()
+            .unwrap();
+        let key = Key::new("tenant");
+        let held = limiter.acquire(&key).await;
+        assert!(matches!(held, Acquired::Held(_)));
+        let start = tokio::time::Instant::now();
+        tokio::time::sleep_until(start + Duration::from_millis(5_200)).await;
+        let in_flight = |store: &MemoryStore| {
+            store
+                .slots_now(SlotOp::Acquire, "in-flight", &key, 0, 0, DEFAULT_SLOT_TTL)
+                .1
+        };
+        assert_eq!(in_flight(&store), 0, "the slot lapsed in the store");
+        tokio::time::sleep_until(start + Duration::from_secs(6)).await;
+        assert_eq!(in_flight(&store), 1, "the renewal held it again");
+        assert!(matches!(limiter.acquire(&key).await, Acquired::Full { .. }));
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(in_flight(&store), 0, "given back when dropped");
+        assert!(matches!(limiter.acquire(&key).await, Acquired::Held(_)));
     }
 
     #[test]

@@ -90,6 +90,9 @@ pub enum ShedReason {
     FleetUsage,
     /// This worker is overloaded.
     WorkerUtilisation,
+    /// The fleet budget's store could not answer, and its outage policy refused (fail closed):
+    /// the 503 carries that policy's `Retry-After`.
+    StoreUnavailable,
 }
 
 /// The worker utilisation shedder: see the [module](self).
@@ -398,10 +401,13 @@ where
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         Box::pin(async move {
-            let shed = |reason| Ok(shed_response(priority, reason, grpc).map(ResponseBody::full));
+            let shed = |reason, retry_after| {
+                let response = shed_response(priority, reason, grpc, retry_after);
+                Ok(response.map(ResponseBody::full))
+            };
             if let Some(worker) = &config.worker {
                 if !worker.admit(priority) {
-                    return shed(ShedReason::WorkerUtilisation);
+                    return shed(ShedReason::WorkerUtilisation, SHED_RETRY);
                 }
             }
             let slot = match &config.fleet {
@@ -410,7 +416,10 @@ where
                     let limit = fleet.limit_for(priority);
                     match fleet.slots.acquire_within(&fleet_key(), limit).await {
                         Acquired::Held(slot) => Some(slot),
-                        _ => return shed(ShedReason::FleetUsage),
+                        Acquired::Unavailable { retry_after } => {
+                            return shed(ShedReason::StoreUnavailable, retry_after)
+                        }
+                        _ => return shed(ShedReason::FleetUsage, SHED_RETRY),
                     }
                 }
             };
@@ -429,18 +438,30 @@ where
     }
 }
 
-fn shed_response(priority: Priority, reason: ShedReason, grpc: bool) -> Response<bytes::Bytes> {
-    let mut response = if grpc {
-        crate::layer::grpc_refusal("14", "overloaded")
-    } else {
-        crate::layer::json_refusal(
+/// The `Retry-After` of a request shed for load: overloads change by the second.
+const SHED_RETRY: Duration = Duration::from_secs(1);
+
+fn shed_response(
+    priority: Priority,
+    reason: ShedReason,
+    grpc: bool,
+    retry_after: Duration,
+) -> Response<bytes::Bytes> {
+    let mut response = match reason {
+        ShedReason::StoreUnavailable => {
+            crate::layer::unavailable(grpc, StatusCode::SERVICE_UNAVAILABLE)
+        }
+        _ if grpc => crate::layer::grpc_refusal("14", "overloaded"),
+        _ => crate::layer::json_refusal(
             StatusCode::SERVICE_UNAVAILABLE,
             r#"{"error":"overloaded"}"#.to_owned(),
-        )
+        ),
     };
+    // Whole seconds, rounded up: never earlier than the wait.
+    let secs = crate::algorithm::ceil_secs(retry_after).max(1);
     response
         .headers_mut()
-        .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
     response.extensions_mut().insert(Shed { priority, reason });
     response
 }

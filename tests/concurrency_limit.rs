@@ -317,3 +317,41 @@ async fn a_shorter_ttl_never_drops_a_longer_held_slot() {
     );
     drop((held_long, held_short));
 }
+
+/// Redis loses the slots in use (a restart without persistence, a failover to a replica that
+/// never saw them; FLUSHALL here): each holder's next renewal, at the default ttl, holds its
+/// slot again, so another instance is refused while the request runs on, instead of being
+/// admitted beside it.
+#[tokio::test]
+async fn slots_redis_lost_are_held_again_by_their_renewals() {
+    let redis = RedisServer::start();
+    let build = || async {
+        ConcurrencyLimiter::builder(
+            RedisStore::connect(&redis.url()).await.unwrap(),
+            "in-flight",
+            1,
+        )
+        .on_store_error(OnStoreError::fail_closed())
+        .build()
+        .unwrap()
+    };
+    let (a, b) = (build().await, build().await);
+    let key = Key::new("tenant");
+    let held = a.acquire(&key).await;
+    assert!(matches!(held, Acquired::Held(_)));
+    redis.cmd(&["FLUSHALL"]).unwrap();
+    let slots = "fleetlimit:{ktenant}:slots=in-flight";
+    let deadline = tokio::time::Instant::now() + 2 * fleetlimit::concurrency::DEFAULT_SLOT_TTL;
+    while redis.cmd(&["ZCARD", slots]).unwrap().as_int() != Some(1) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no renewal held the lost slot again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(matches!(b.acquire(&key).await, Acquired::Full { .. }));
+    drop(held);
+    tokio::time::timeout(Duration::from_secs(5), all_free(&b))
+        .await
+        .expect("the slot is given back when its request ends");
+}

@@ -164,11 +164,15 @@ async fn critical_requests_get_through_an_overload_and_recovery_is_gradual() {
     server.abort();
 }
 
-/// Two instances share a fleet budget of 10 in flight on Redis: best effort fills at most half,
-/// and critical requests still get in.
+/// Two instances share a fleet budget of 10 in flight on Redis, at the default shares: best
+/// effort fills half of it, normal traffic up to 70%, and the rest is critical traffic's alone,
+/// to the last slot. Handlers wait on a gate, so every admitted request holds its slot until
+/// the end.
 #[tokio::test]
 async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
     let redis = RedisServer::start();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (arrived, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<()>();
     let mut apps = Vec::new();
     for _ in 0..2 {
         let store = RedisStore::connect(&redis.url()).await.unwrap();
@@ -177,10 +181,17 @@ async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
             .deadline(Duration::from_secs(2))
             .build()
             .unwrap();
+        let (gate, arrived) = (gate.clone(), arrived.clone());
+        let handler = move || {
+            let (gate, arrived) = (gate.clone(), arrived.clone());
+            async move {
+                let _ = arrived.send(());
+                let _ = gate.acquire().await;
+                "ok"
+            }
+        };
         apps.push(
-            // Handlers long enough that every best-effort request holds its slot when the
-            // others arrive, 300 ms later, on a loaded machine too.
-            slow_app(1_000).layer(
+            Router::new().route("/", get(handler)).layer(
                 LoadShedLayer::builder(classify)
                     .fleet(FleetUsage::new(slots))
                     .build()
@@ -196,33 +207,94 @@ async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
         let response = app.oneshot(req).await.unwrap();
         let shed = response.extensions().get::<Shed>().copied();
         let status = response.status();
+        let retry = response.headers().get("retry-after").cloned();
         response.into_body().collect().await.unwrap();
-        (status, shed)
+        (status, shed, retry)
     };
-    let best_effort: Vec<_> = (0..12)
-        .map(|i| tokio::spawn(call(apps[i % 2].clone(), "best-effort")))
-        .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let normal = tokio::spawn(call(apps[0].clone(), "normal"));
-    let critical = tokio::spawn(call(apps[1].clone(), "critical"));
-    let mut admitted = 0;
-    for r in best_effort {
-        match r.await.unwrap() {
-            (StatusCode::OK, None) => admitted += 1,
-            (StatusCode::SERVICE_UNAVAILABLE, Some(shed)) => {
-                assert_eq!(shed.reason, ShedReason::FleetUsage);
-                assert_eq!(shed.priority, Priority::BestEffort);
+    let mut admitted = Vec::new();
+    // Sent one at a time: an admitted request arrives at its handler and waits there, a shed
+    // one answers at once.
+    for (priority, expected) in [("best-effort", 5), ("normal", 2), ("critical", 3)] {
+        let rank = match priority {
+            "best-effort" => Priority::BestEffort,
+            "normal" => Priority::Normal,
+            _ => Priority::Critical,
+        };
+        for i in 0..=expected {
+            let mut task = tokio::spawn(call(apps[i % 2].clone(), priority));
+            tokio::select! {
+                arrival = arrivals.recv() => {
+                    arrival.unwrap();
+                    assert!(i < expected, "{priority}: more than {expected} admitted");
+                    admitted.push(task);
+                }
+                answer = &mut task => {
+                    let (status, shed, retry) = answer.unwrap();
+                    assert_eq!(i, expected, "{priority}: shed after {i} admitted, not {expected}");
+                    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+                    assert_eq!(shed, Some(Shed { priority: rank, reason: ShedReason::FleetUsage }));
+                    assert_eq!(retry.unwrap(), "1");
+                }
             }
-            other => panic!("{other:?}"),
         }
     }
-    assert_eq!(admitted, 5, "best effort fills half the budget");
-    assert_eq!(normal.await.unwrap().0, StatusCode::OK, "normal: up to 70%");
-    assert_eq!(
-        critical.await.unwrap().0,
-        StatusCode::OK,
-        "critical: the rest"
+    gate.add_permits(admitted.len());
+    for task in admitted {
+        assert_eq!(task.await.unwrap().0, StatusCode::OK);
+    }
+}
+
+/// Failing closed while the fleet budget's store is away: every priority gets the policy's
+/// wait in whole seconds, rounded up, and the reason says it is the store, not the budget.
+#[tokio::test]
+async fn an_outage_failing_closed_sheds_with_the_policys_wait() {
+    let mut redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    let slots = ConcurrencyLimiter::builder(store, "fleet", 8)
+        .on_store_error(OnStoreError::FailClosed {
+            retry_after: Duration::from_millis(29_500),
+        })
+        .build()
+        .unwrap();
+    let app = slow_app(0).layer(
+        LoadShedLayer::builder(classify)
+            .fleet(FleetUsage::new(slots))
+            .build()
+            .unwrap(),
     );
+    redis.kill();
+    for (priority, rank, grpc) in [
+        ("critical", Priority::Critical, false),
+        ("best-effort", Priority::BestEffort, false),
+        ("critical", Priority::Critical, true),
+    ] {
+        let mut req = Request::get("/").header("x-priority", priority);
+        if grpc {
+            req = Request::post("/")
+                .header("x-priority", priority)
+                .header("content-type", "application/grpc");
+        }
+        let response = app
+            .clone()
+            .oneshot(req.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let shed = response.extensions().get::<Shed>().copied();
+        assert_eq!(
+            shed,
+            Some(Shed {
+                priority: rank,
+                reason: ShedReason::StoreUnavailable
+            })
+        );
+        assert_eq!(response.headers()["retry-after"], "30");
+        if grpc {
+            assert_eq!(response.status(), StatusCode::OK);
+            assert_eq!(response.headers()["grpc-status"], "14");
+        } else {
+            assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        }
+    }
 }
 
 /// While the store is away, `LocalShare` holds the budget in each process, and the priorities'

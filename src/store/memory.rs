@@ -1099,12 +1099,16 @@ impl MemoryStore {
                 true
             }
             SlotOp::Acquire => false,
+            // A slot lost (expired before its renewal) is held again, as the script does.
             SlotOp::Renew => match held.iter_mut().find(|(s, _)| *s == slot) {
                 Some(entry) => {
                     entry.1 = expiry;
                     true
                 }
-                None => false,
+                None => {
+                    held.push((slot, expiry));
+                    false
+                }
             },
             SlotOp::Release => {
                 let before = held.len();

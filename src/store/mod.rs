@@ -256,7 +256,8 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
     /// Slots of a concurrency limit (see [`concurrency`](crate::concurrency)): `op` on slot
     /// `slot` of `key` under `name`, at most `limit` held at once, each living `ttl` unless
     /// renewed. Returns whether the operation took effect (acquired, renewed, released) and the
-    /// slots held after it.
+    /// slots held after it. A renewal of a slot the store no longer holds holds it again, over
+    /// the limit if need be (its request is still in flight), and answers `false`.
     #[doc(hidden)]
     fn slots<'a>(
         &'a self,

@@ -5,7 +5,7 @@
 -- ARGV[2]: now in µs, or '' to read the server's clock (the fleet's one clock).
 -- ARGV[3]: the slot's id. ARGV[4]: the limit. ARGV[5]: how long a slot lives unless renewed (µs).
 -- A slot whose holder died (no renewal) expires by itself: expired slots are dropped first.
--- Returns {1 if acquired / renewed / released, slots held after the call}.
+-- Returns {1 if acquired / renewed (0: held again, lost) / released, slots held after the call}.
 local now = tonumber(ARGV[2])
 if now == nil then
   local t = redis.call('TIME')
@@ -27,10 +27,12 @@ if op == 'acquire' then
   keep()
   return { 1, held + 1 }
 elseif op == 'renew' then
-  if not redis.call('ZSCORE', KEYS[1], id) then return { 0, held } end
+  -- A slot the server lost (a restart, a failover, an outage past its ttl) is held again,
+  -- over the limit if need be: its request is still in flight, and the count must say so.
+  local kept = redis.call('ZSCORE', KEYS[1], id) and 1 or 0
   redis.call('ZADD', KEYS[1], now + ttl, id)
   keep()
-  return { 1, held }
+  return { kept, held + 1 - kept }
 elseif op == 'release' then
   local removed = redis.call('ZREM', KEYS[1], id)
   return { removed, held - removed }
