@@ -804,6 +804,69 @@ async fn a_body_the_handler_accepts_always_has_its_key() {
             "{n}: the second guess for one account is refused"
         );
     }
+    // Sent as `application/grpc+json`, which axum's `Json` reads as well. A gRPC call's body is
+    // a stream and never buffered, so such calls share one bucket (refused as gRPC) rather
+    // than skipping the rule.
+    let headers = [("content-type", "application/grpc+json")];
+    for (n, account) in ["grpc-1", "grpc-2"].into_iter().enumerate() {
+        let body = format!(r#"{{"account":"{account}","password":"guess"}}"#).into_bytes();
+        let r = send_body(&app, Method::POST, "/login", &headers, body).await;
+        match n {
+            0 => assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "the handler reads it"),
+            _ => assert_eq!(h(&r, "grpc-status").as_deref(), Some("8"), "one bucket"),
+        }
+    }
+}
+
+/// axum's `Form` reads any content type that starts with `application/x-www-form-urlencoded`
+/// (`…urlencoded charset=utf-8`, without the `;`): `BufferBodyLayer` reads those bodies too, so
+/// the second guess for one user is refused at the default missing-key answer, not skipped.
+#[tokio::test]
+async fn forms_are_read_as_a_form_handler_reads_them() {
+    let limiter = limiter(vec![rule("login", 1)]);
+    let app = Router::new()
+        .route(
+            "/login",
+            post(
+                |form: axum::Form<std::collections::HashMap<String, String>>| async move {
+                    assert!(form.0.contains_key("user"));
+                    StatusCode::UNAUTHORIZED
+                },
+            ),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter)
+                .scope("login", Scope::new().key(key::form_field("user")))
+                .build()
+                .unwrap(),
+        )
+        .layer(BufferBodyLayer::new(4096));
+    for (n, content_type) in [
+        "application/x-www-form-urlencoded charset=utf-8",
+        "APPLICATION/X-WWW-FORM-URLENCODED",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let headers = [("content-type", content_type)];
+        let body = format!("user=victim-{n}&pw=guess").into_bytes();
+        let first = send_body(&app, Method::POST, "/login", &headers, body.clone()).await;
+        let second = send_body(&app, Method::POST, "/login", &headers, body).await;
+        // axum matches the type with its case: the capitals are refused by the handler
+        // (415), and still counted here.
+        if n == 0 {
+            assert_eq!(
+                first.status(),
+                StatusCode::UNAUTHORIZED,
+                "the handler reads it"
+            );
+        }
+        assert_eq!(
+            second.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{content_type}"
+        );
+    }
 }
 
 /// A gRPC call is a stream, `application/grpc+json` too: `BufferBodyLayer` leaves it alone,

@@ -51,8 +51,9 @@ impl BufferedBody {
 /// so a [`RateLimitLayer`](super::RateLimitLayer) inside can key or charge by what the body
 /// says, and hands the handler the same bytes.
 ///
-/// By default it reads JSON (`application/json`, `…+json`) and form
-/// (`application/x-www-form-urlencoded`) bodies; narrow it to the routes that need it with
+/// By default it reads the bodies axum's `Json` and `Form` read: JSON (`application/json`,
+/// `…+json`) and form (any content type starting `application/x-www-form-urlencoded`) bodies,
+/// but never a gRPC call's stream (see [`key::json_field`](crate::key::json_field)); narrow it to the routes that need it with
 /// [`route`](BufferBodyLayer::route) or [`when`](BufferBodyLayer::when). Other requests pass
 /// untouched, their bodies streaming as before. A body over `max_bytes` (declared or read) is
 /// answered `413` with `{"error":"body_too_large"}`, a body that fails to arrive `400`: neither
@@ -128,20 +129,35 @@ impl BufferConfig {
             // would wait for the client's last message, which an interactive client sends
             // only after an answer.
             None if super::response::is_grpc(parts) => false,
-            None => parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|ct| {
-                    let mime = ct.split(';').next().unwrap_or("").trim();
-                    // Media types are case-insensitive (a handler's parse accepts `+JSON`).
-                    let suffix = mime.len().checked_sub(5).and_then(|at| mime.get(at..));
-                    mime.eq_ignore_ascii_case("application/json")
-                        || suffix.is_some_and(|s| s.eq_ignore_ascii_case("+json"))
-                        || mime.eq_ignore_ascii_case("application/x-www-form-urlencoded")
-                }),
+            None => is_json(parts) || is_form(parts),
         }
     }
+}
+
+/// Whether a handler's JSON extractor would read the body: `application/json` or any `…+json`
+/// (axum's `Json` reads `application/grpc+json` too), parameters aside. Media types are
+/// case-insensitive (a handler's parse accepts `+JSON`).
+pub(crate) fn is_json(parts: &Parts) -> bool {
+    content_type(parts).is_some_and(|ct| {
+        let mime = ct.split(';').next().unwrap_or("").trim();
+        let suffix = mime.len().checked_sub(5).and_then(|at| mime.get(at..));
+        mime.eq_ignore_ascii_case("application/json")
+            || suffix.is_some_and(|s| s.eq_ignore_ascii_case("+json"))
+    })
+}
+
+/// Whether a handler's form extractor would read the body: axum's `Form` takes any content type
+/// that *starts* with `application/x-www-form-urlencoded` (`…urlencoded charset=utf-8`, with no
+/// `;`, too), so this does as well.
+fn is_form(parts: &Parts) -> bool {
+    const FORM: &[u8] = b"application/x-www-form-urlencoded";
+    content_type(parts)
+        .and_then(|ct| ct.as_bytes().get(..FORM.len()))
+        .is_some_and(|start| start.eq_ignore_ascii_case(FORM))
+}
+
+fn content_type(parts: &Parts) -> Option<&str> {
+    parts.headers.get(header::CONTENT_TYPE)?.to_str().ok()
 }
 
 impl<S> Layer<S> for BufferBodyLayer {

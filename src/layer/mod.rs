@@ -6,7 +6,7 @@
 
 mod body;
 #[cfg(feature = "body")]
-mod buffer;
+pub(crate) mod buffer;
 mod future;
 mod headers;
 #[allow(clippy::module_inception)]
