@@ -544,6 +544,45 @@ async fn missing_keys_follow_the_configured_outcome() {
     );
 }
 
+/// A per-address rule in front of a key the client chooses, on a server that records no peer
+/// address (axum served without connect info): each request is a 500 with an error logged, as
+/// for a layer keyed by address, not a rule skipped for everyone while new API keys pass
+/// unlimited. Set to `Skip` explicitly, the rule is skipped.
+#[tokio::test]
+async fn a_per_address_scope_without_a_peer_address_is_a_server_error() {
+    let layer = |scope: Scope| {
+        let limiter = memory_limiter(vec![rule("per-key", 100), rule("per-ip", 1)]);
+        app(RateLimitLayer::builder(limiter)
+            .key(key::header("x-api-key"))
+            .scope("per-ip", scope)
+            .build()
+            .unwrap())
+    };
+    let send = |app: &Router, n: usize| {
+        let req = Request::get("/")
+            .header("x-api-key", format!("key-{n}"))
+            .body(Body::empty())
+            .unwrap();
+        app.clone().oneshot(req)
+    };
+    for scope in [
+        Scope::new().key_by_peer(),
+        Scope::new().key(PeerIp::default()),
+    ] {
+        let app = layer(scope);
+        for n in 0..3 {
+            let r = send(&app, n).await.unwrap();
+            assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            let body = r.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(body, r#"{"error":"no_rate_limit_key"}"#);
+        }
+    }
+    let skipped = layer(Scope::new().key_by_peer().on_missing_key(MissingKey::Skip));
+    for n in 0..3 {
+        assert_eq!(send(&skipped, n).await.unwrap().status(), StatusCode::OK);
+    }
+}
+
 #[tokio::test]
 async fn problem_details_and_custom_denials() {
     let problem = app(RateLimitLayer::builder(memory_limiter(vec![rule("r", 1)]))

@@ -246,7 +246,8 @@ fn sampled() -> bool {
 const FORWARDING_SAMPLE_BITS: u32 = 6;
 
 impl Watch {
-    fn observe(&self, peer: IpAddr, parts: &Parts, trusted: &TrustedProxies) {
+    /// `peer` sent this request for `client` (the peer itself, unless it is a trusted proxy).
+    fn observe(&self, peer: IpAddr, client: IpAddr, parts: &Parts, trusted: &TrustedProxies) {
         if !self.warned_forwarding.load(Ordering::Relaxed)
             && sampled()
             && (parts.headers.contains_key(&X_FORWARDED_FOR)
@@ -265,12 +266,13 @@ impl Watch {
         if self.settled.load(Ordering::Relaxed) {
             return;
         }
-        if *self.first_peer.get_or_init(|| peer) != peer {
+        // Clients, not peers: behind a trusted proxy the peer never changes, and all is well.
+        if *self.first_peer.get_or_init(|| client) != client {
             self.settled.store(true, Ordering::Relaxed);
         } else if self.same_peer.fetch_add(1, Ordering::Relaxed) + 1 == SAME_PEER_WARNING {
             self.settled.store(true, Ordering::Relaxed);
             tracing::warn!(
-                %peer,
+                peer = %client,
                 "fleetlimit: the first {SAME_PEER_WARNING} requests all came from one address: \
                  if it is a proxy, every client shares its limit (configure PeerIp::trust)"
             );
@@ -398,8 +400,9 @@ impl PeerIp {
 impl KeyExtractor for PeerIp {
     fn extract(&self, parts: &Parts) -> Option<Key> {
         let peer = self.peer(parts)?;
-        self.watch.observe(peer, parts, &self.trusted);
-        Some(Key::from_ip(self.client(peer, parts), self.ipv6_prefix))
+        let client = self.client(peer, parts);
+        self.watch.observe(peer, client, parts, &self.trusted);
+        Some(Key::from_ip(client, self.ipv6_prefix))
     }
 
     fn per_address(&self) -> bool {
@@ -409,7 +412,33 @@ impl KeyExtractor for PeerIp {
 
 #[cfg(test)]
 mod tests {
-    use super::sampled;
+    use super::*;
+
+    /// The "every request from one address" warning counts clients, not peers: behind a
+    /// trusted load balancer the peer never changes while the clients do, and nothing is
+    /// wrong. With no proxy trusted, the same traffic is one address, and it is said.
+    #[test]
+    fn one_trusted_proxy_is_not_one_address_for_everyone() {
+        let behind = PeerIp::default().trust(TrustedProxies::new(["10.0.0.0/8"]).unwrap());
+        let untrusted = PeerIp::default();
+        for n in 0..SAME_PEER_WARNING {
+            let mut parts = http::Request::new(()).into_parts().0;
+            parts
+                .extensions
+                .insert(SocketAddr::from(([10, 0, 0, 1], 443)));
+            let client = format!("198.51.{}.{}", n / 256, n % 256);
+            parts
+                .headers
+                .insert("x-forwarded-for", client.parse().unwrap());
+            assert!(behind.extract(&parts).is_some());
+            assert!(untrusted.extract(&parts).is_some());
+        }
+        assert_eq!(behind.watch.same_peer.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            untrusted.watch.same_peer.load(Ordering::Relaxed),
+            SAME_PEER_WARNING
+        );
+    }
 
     /// Address keys called in a fixed order per request (2, 3 or 4 of them on a thread) are
     /// each sampled, about one call in 64 overall, and the thread's first call always is.

@@ -97,10 +97,16 @@ impl TrustedProxies {
         if self.hops > 0 {
             return true;
         }
+        // Both forms of an IPv4 address: a proxy written as `::ffff:10.0.0.1` (as a dual-stack
+        // listener reports it) is the peer `10.0.0.1` once canonical.
         let canonical = ip.to_canonical();
+        let mapped = match canonical {
+            IpAddr::V4(v4) => IpAddr::V6(v4.to_ipv6_mapped()),
+            IpAddr::V6(_) => canonical,
+        };
         self.nets
             .iter()
-            .any(|net| net.contains(&canonical) || net.contains(&ip))
+            .any(|net| net.contains(&canonical) || net.contains(&mapped))
     }
 
     /// Whether no proxy is trusted.
@@ -429,6 +435,28 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
+    }
+
+    /// A proxy written in its IPv4-mapped form (as a dual-stack listener reports it) is the
+    /// same proxy as its IPv4 address, either way round: its clients' forwarding headers are
+    /// read, not ignored with every client in the proxy's bucket.
+    #[test]
+    fn mapped_and_plain_ipv4_proxies_are_one() {
+        let mut h = HeaderMap::new();
+        h.insert("x-forwarded-for", HeaderValue::from_static("198.51.100.7"));
+        for (written, peer) in [
+            ("::ffff:10.0.0.1", "::ffff:10.0.0.1"),
+            ("::ffff:10.0.0.1", "10.0.0.1"),
+            ("10.0.0.1", "::ffff:10.0.0.1"),
+            ("::ffff:10.0.0.0/104", "10.0.0.1"),
+        ] {
+            let trusted = TrustedProxies::new([written]).unwrap();
+            assert!(trusted.contains(ip(peer)), "{written} holds {peer}");
+            let client = client_ip(ip(peer), &h, &trusted, ForwardedHeader::XForwardedFor);
+            assert_eq!(client, ip("198.51.100.7"), "{written}, peer {peer}");
+        }
+        let other = TrustedProxies::new(["::ffff:10.0.0.2"]).unwrap();
+        assert!(!other.contains(ip("10.0.0.1")));
     }
 
     fn get(peer: &str, h: &HeaderMap, which: ForwardedHeader) -> IpAddr {

@@ -124,14 +124,19 @@ impl Config {
             if cost == 0 {
                 continue; // this rule charges nothing for this request
             }
-            let (key, missing) = match &scope.key {
-                Some(_) if scope.by_layer_peer => (
-                    self.peer.extract(parts),
-                    scope.missing_key.unwrap_or(MissingKey::Skip),
-                ),
+            // A scope keyed by address misses its key only when the server records no peer
+            // address: a misconfiguration, answered as the layer's own key would be (500, and
+            // an error logged), never a rule silently skipped for every request.
+            let own_missing = |per_address: bool| match (scope.missing_key, per_address) {
+                (Some(missing), _) => (missing, per_address),
+                (None, true) => (MissingKey::Reject, true),
+                (None, false) => (MissingKey::Skip, false),
+            };
+            let (key, (missing, no_peer)) = match &scope.key {
+                Some(_) if scope.by_layer_peer => (self.peer.extract(parts), own_missing(true)),
                 Some(extractor) => (
                     extractor.extract(parts),
-                    scope.missing_key.unwrap_or(MissingKey::Skip),
+                    own_missing(extractor.per_address()),
                 ),
                 None => (
                     default_key
@@ -142,7 +147,7 @@ impl Config {
                                 .or_else(|| self.peer.extract(parts))
                         })
                         .clone(),
-                    scope.missing_key.unwrap_or(self.missing_key),
+                    (scope.missing_key.unwrap_or(self.missing_key), true),
                 ),
             };
             let key = match (key, missing) {
@@ -156,7 +161,7 @@ impl Config {
                     continue;
                 }
                 // A scope's own key comes from the client: its absence is the client's fault.
-                (None, MissingKey::Reject) if scope.key.is_some() => return Plan::MissingKey,
+                (None, MissingKey::Reject) if !no_peer => return Plan::MissingKey,
                 (None, MissingKey::Reject) => return Plan::NoKey,
             };
             let resolved = scope
