@@ -8,7 +8,7 @@
 //! admitted). This is the error a user of the counter actually sees.
 //!
 //! ```text
-//! cargo run --release --example accuracy [-- --keys 2000 --minutes 10 --seed 7 --plot docs/accuracy.svg]
+//! cargo run --release --example accuracy [-- --keys 2000 --minutes 10 --seed 7 --sub-windows 1 --plot docs/accuracy.svg]
 //! ```
 //!
 //! `--plot FILE.svg` also draws one key at twice its limit: what the exact log counted in the
@@ -32,6 +32,8 @@ pub struct Workload {
     pub seed: u64,
     /// Demand per key as a multiple of its limit; keys take these in turn.
     pub demand: Vec<f64>,
+    /// The counter's sub-windows (`None`: the default; 1 is the two-counter estimate).
+    pub sub_windows: Option<u64>,
 }
 
 /// Disagreements between the counter and the exact rule, for one class of keys.
@@ -84,11 +86,13 @@ pub fn run_traced(w: &Workload, traced: Option<u64>) -> (Vec<Report>, Vec<Point>
         .build()
         .unwrap_or_else(|e| panic!("store: {e}"));
     let quota = |a| {
-        Quota::new(w.limit_per_minute, Duration::from_secs(60))
+        let mut q = Quota::new(w.limit_per_minute, Duration::from_secs(60))
             .algorithm(a)
-            .max_log_len(w.limit_per_minute)
-            .build()
-            .unwrap_or_else(|e| panic!("quota: {e}"))
+            .max_log_len(w.limit_per_minute);
+        if let (Some(n), Algorithm::SlidingWindow) = (w.sub_windows, a) {
+            q = q.sub_windows(n);
+        }
+        q.build().unwrap_or_else(|e| panic!("quota: {e}"))
     };
     let counter =
         Rule::new("counter", quota(Algorithm::SlidingWindow)).unwrap_or_else(|e| panic!("{e}"));
@@ -234,6 +238,7 @@ fn main() {
         limit_per_minute: 100,
         seed: 7,
         demand: DEMAND.to_vec(),
+        sub_windows: None,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut plot_to: Option<String> = None;
@@ -248,13 +253,34 @@ fn main() {
             ("--minutes", Some(v)) => w.minutes = v,
             ("--limit", Some(v)) => w.limit_per_minute = v,
             ("--seed", Some(v)) => w.seed = v,
+            ("--sub-windows", Some(v)) => w.sub_windows = Some(v),
             _ => {
                 eprintln!(
-                    "usage: accuracy [--keys N] [--minutes N] [--limit N] [--seed N] [--plot FILE.svg]"
+                    "usage: accuracy [--keys N] [--minutes N] [--limit N] [--seed N] [--sub-windows N] [--plot FILE.svg]"
                 );
                 std::process::exit(2);
             }
         }
+    }
+    // The quotas below are built from the limit: a bad one is said here, not in a panic.
+    let log = Quota::new(w.limit_per_minute, Duration::from_secs(60))
+        .algorithm(Algorithm::SlidingLog)
+        .max_log_len(w.limit_per_minute)
+        .build();
+    let mut counter = Quota::new(w.limit_per_minute, Duration::from_secs(60));
+    if let Some(n) = w.sub_windows {
+        counter = counter.sub_windows(n);
+    }
+    if let Err(e) = log.and(counter.build()) {
+        eprintln!(
+            "--limit {} --sub-windows {:?}: {e}",
+            w.limit_per_minute, w.sub_windows
+        );
+        std::process::exit(2);
+    }
+    if w.keys == 0 || w.minutes == 0 {
+        eprintln!("--keys and --minutes must be at least 1");
+        std::process::exit(2);
     }
     // The traced key: the first of the class at twice its limit.
     let hot = w.demand.iter().position(|&d| d == 2.0).unwrap_or(0) as u64;

@@ -6,7 +6,7 @@
 //! cargo run --release --example baseline -- --kind governor --headers [--denied] [--port 0]
 //! cargo run --release --example baseline -- --kind busy --busy-us N [--port 0]
 //! cargo run --release --example baseline -- --print-script
-//! cargo run --release --example baseline -- --print-args     # KEY ARG... of one decision
+//! cargo run --release --example baseline -- --print-args     # 2 KEY LISTING ARG... of one decision
 //! ```
 
 use std::net::SocketAddr;
@@ -42,8 +42,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             key: &key,
             cost: 1,
         };
+        // The listing key beside it (`<prefix>{<key>}:listing`), as the store sends with every
+        // consume: the script reads it, and a baseline without it does less work.
+        let tag_end = store_key.find('}').ok_or("a store key has a hash tag")?;
+        let listing = format!("{}:listing", &store_key[..=tag_end]);
         println!(
-            "{store_key} {}",
+            "2 {store_key} {listing} {}",
             RedisStore::script_args(&check)
                 .iter()
                 .map(|a| if a.is_empty() {

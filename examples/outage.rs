@@ -39,6 +39,9 @@ async fn main() -> Result<(), String> {
         [flag, v] if flag == "--decisions" => v.parse().map_err(|_| "--decisions N")?,
         _ => return Err("usage: outage [--decisions N]".into()),
     };
+    if n == 0 {
+        return Err("--decisions must be at least 1".into());
+    }
     let mut server = RedisServer::start();
     let store = RedisStore::connect(&server.url())
         .await

@@ -75,12 +75,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             other => return Err(format!("unknown argument {other:?}").into()),
         }
     }
-    let (ok, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let addr = partner(rate, ok.clone(), refused.clone()).await;
+    // Built before the partner, which takes the same rate: a bad one is said here.
     let quota = Quota::per_second(rate)
         .algorithm(Algorithm::Gcra)
         .burst(2)
-        .build()?;
+        .build()
+        .map_err(|e| format!("--rate {rate}: {e}"))?;
+    let (ok, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let addr = partner(rate, ok.clone(), refused.clone()).await;
     let until = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
     let mut callers = Vec::new();

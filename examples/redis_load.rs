@@ -26,6 +26,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let concurrency: usize = value("--concurrency").map_or(Ok(256), |v| v.parse())?;
     let seconds: u64 = value("--seconds").map_or(Ok(5), |v| v.parse())?;
     let keys: u32 = value("--keys").map_or(Ok(1_000), |v| v.parse())?;
+    if keys == 0 {
+        return Err("--keys must be at least 1".into());
+    }
     let lease: Option<u64> = value("--lease").map(|v| v.parse()).transpose()?;
 
     // The demo server's default algorithm, with a limit no run reaches.

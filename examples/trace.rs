@@ -353,6 +353,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             other => return Err(format!("unknown argument {other:?}").into()),
         }
     }
+    // Every configuration is built from the limit: a bad one is said here, not in a panic.
+    Quota::new(limit, Duration::from_secs(60))
+        .algorithm(Algorithm::SlidingLog)
+        .max_log_len(limit)
+        .build()
+        .map_err(|e| format!("--limit {limit}: {e}"))?;
     let trace = generate(&spec);
     let mut configurations = configurations(limit, Duration::from_secs(60));
     if let Some(only) = &only {

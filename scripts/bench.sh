@@ -5,7 +5,8 @@
 #                 tokio's default runtime (a worker per core), loaded with wrk -t1 -c64 (server on
 #                 core 0, wrk on core 1), on allowed and on denied traffic;
 #   P1 Redis:     Limiter decisions per second from one process vs redis-benchmark -P 16 running
-#                 EVALSHA of the same script on the same Redis (Redis's own ceiling);
+#                 EVALSHA of the same script, with the same keys (state and listing), on the same
+#                 Redis (Redis's own ceiling; one hot key, where the limiter spreads over 1,000);
 #   P2 hot key:   one key leased vs direct Redis.
 # Each measurement runs ROUNDS times, interleaved with its baseline (these machines are shared and
 # noisy; interleaving keeps drift out of the ratios), and the median is reported with min–max.
@@ -22,14 +23,17 @@ SECS=${1:-4}
 ROUNDS=${2:-3}
 
 need() { command -v "$1" >/dev/null 2>&1; }
-if ! need wrk || ! need redis-server || ! need redis-benchmark || ! need redis-cli; then
-  if need apt-get && [ "$(id -u)" = 0 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk redis-server redis-tools >/dev/null
-  else
-    echo "bench.sh needs wrk, redis-server, redis-cli and redis-benchmark (Debian: wrk redis-server redis-tools)" >&2
-    exit 1
-  fi
+# Each mode's tools (Debian packages in brackets), installed when missing and possible.
+case "$MODE" in
+  instructions) tools=(valgrind); packages=(valgrind) ;;
+  fleet) tools=(redis-server redis-cli python3); packages=(redis-server python3) ;;
+  *) tools=(wrk redis-server redis-cli redis-benchmark python3); packages=(wrk redis-server redis-tools python3) ;;
+esac
+missing=0
+for tool in "${tools[@]}"; do need "$tool" || missing=1; done
+if [ "$missing" = 1 ] && ! scripts/install.sh "${packages[@]}"; then
+  echo "bench.sh $MODE needs ${tools[*]} (Debian: ${packages[*]})" >&2
+  exit 1
 fi
 
 # `scripts/bench.sh fleet [PROCESSES (default 4)] [SECONDS (default 5)]`: N processes of
@@ -45,7 +49,7 @@ fleet() {
   PIDS+=($!)
   for _ in $(seq 1 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.05; done
   local calls_before; calls_before=$(redis-cli -p "$rport" info stats | awk -F: '/^total_commands_processed/ {print $2+0}')
-  local dir; dir=$(mktemp -d)
+  local dir; dir=$(mktemp -d); TMPS+=("$dir")
   local fleet_pids=()
   for i in $(seq 1 "$procs"); do
     target/release/examples/fleet_load --url "redis://127.0.0.1:$rport" --keys "$keys" \
@@ -54,6 +58,8 @@ fleet() {
   done
   local failed=0
   for p in "${fleet_pids[@]}"; do wait "$p" || failed=1; done
+  # Reaped: their numbers may be another process's by the time the exit trap runs.
+  PIDS=("${PIDS[@]:0:${#PIDS[@]}-$procs}")
   if [ "$failed" = 1 ]; then cat "$dir"/*.err >&2; echo "a fleet process failed" >&2; exit 1; fi
   local calls_after; calls_after=$(redis-cli -p "$rport" info stats | awk -F: '/^total_commands_processed/ {print $2+0}')
   python3 - "$dir" "$procs" "$limit" "$((calls_after - calls_before))" <<'PY'
@@ -97,7 +103,6 @@ PY
 # so a change to the layer's cost shows even where wrk's noise would hide it. About 1 minute.
 instructions() {
   local n=${1:-10000}
-  if ! need valgrind; then echo "bench.sh instructions needs valgrind (Debian: valgrind)" >&2; exit 1; fi
   cargo build --release --quiet --example layer_instructions
   local kind total bare=""
   echo "| request, in process | instructions | over bare axum |"
@@ -113,8 +118,11 @@ instructions() {
   done
 }
 
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; }
+PIDS=(); TMPS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  rm -rf "${TMPS[@]}"
+}
 trap cleanup EXIT
 
 if [ "$MODE" = fleet ]; then
@@ -135,7 +143,7 @@ if need taskset && [ "$(nproc)" -ge 2 ]; then SERVER_CPU=(taskset -c 0); LOAD_CP
 
 LAST_PORT=
 start() { # start CMD...: run a server that prints "listening on http://127.0.0.1:PORT"
-  local out; out=$(mktemp)
+  local out; out=$(mktemp); TMPS+=("$out")
   "${SERVER_CPU[@]}" "$@" >"$out" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 1 200); do
@@ -204,11 +212,11 @@ RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); p
 PIDS+=($!)
 for _ in $(seq 1 100); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
 SHA=$(redis-cli -p "$RPORT" SCRIPT LOAD "$("$BIN/baseline" --print-script)")
-read -r -a ARGS <<<"$("$BIN/baseline" --print-args | sed 's/""/__EMPTY__/')"
+read -r -a ARGS <<<"$("$BIN/baseline" --print-args | sed 's/""/__EMPTY__/g')"
 for i in "${!ARGS[@]}"; do [ "${ARGS[$i]}" = "__EMPTY__" ] && ARGS[$i]=""; done
 ceiling=""; limiter=""; direct=""; leased=""; lease_calls=0
 for _ in $(seq 1 "$ROUNDS"); do
-  ceiling+=" $("${LOAD_CPU[@]}" redis-benchmark -p "$RPORT" -n 300000 -c 50 -P 16 -q EVALSHA "$SHA" 1 "${ARGS[@]}" \
+  ceiling+=" $("${LOAD_CPU[@]}" redis-benchmark -p "$RPORT" -n 300000 -c 50 -P 16 -q EVALSHA "$SHA" "${ARGS[@]}" \
     | tr '\r' '\n' | awk '/requests per second/ {for (i=1;i<=NF;i++) if ($i ~ /^[0-9.]+$/) v=$i} END {print v}')"
   limiter+=" $("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 256 --seconds "$SECS" | awk '{print $2}')"
   direct+=" $("${LOAD_CPU[@]}" "$BIN/redis_load" --url "redis://127.0.0.1:$RPORT" --concurrency 64 --keys 1 --seconds "$SECS" | awk '{print $2}')"

@@ -6,11 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "test.sh: installing redis-server and redis-cli (Debian package redis-server)"
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
-  else
+  if ! scripts/install.sh redis-server; then
     echo "test.sh: redis-server and redis-cli are needed: install Debian's redis-server package" >&2
     echo "         (sudo apt-get install redis-server) or your system's equivalent." >&2
     exit 1

@@ -11,6 +11,7 @@ fn counter_is_exact_below_the_limit_and_bounded_above_it() {
         limit_per_minute: 50,
         seed: 11,
         demand: accuracy::DEMAND.to_vec(),
+        sub_windows: None,
     };
     let reports = accuracy::run(&w);
     let all = accuracy::total(&reports);

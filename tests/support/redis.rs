@@ -779,15 +779,22 @@ impl RedisServer {
             }
             Err(e) => panic!("cannot poll redis-server (pid {}): {e}", self.pid),
         }
-        let status = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(self.pid.to_string())
-            .stdin(Stdio::null())
-            .status();
-        match status {
-            Ok(status) if status.success() => true,
-            Ok(status) => panic!("`kill -{signal} {}` failed: {status}", self.pid),
-            Err(e) => panic!("cannot run `kill -{signal} {}`: {e}", self.pid),
+        // A system call, not the `kill` program (procps, which minimal images leave out).
+        let number = match signal {
+            "STOP" => libc::SIGSTOP,
+            "CONT" => libc::SIGCONT,
+            other => panic!("no signal {other} here"),
+        };
+        let pid = libc::pid_t::try_from(self.pid).expect("a pid fits pid_t");
+        // SAFETY: a plain system call on the child this handle started and has not reaped.
+        if unsafe { libc::kill(pid, number) } == 0 {
+            true
+        } else {
+            let e = std::io::Error::last_os_error();
+            panic!(
+                "cannot send SIG{signal} to redis-server (pid {}): {e}",
+                self.pid
+            )
         }
     }
 
