@@ -372,9 +372,11 @@ impl<S: std::fmt::Debug> std::fmt::Debug for LoadShedService<S> {
 /// The future of a [`LoadShedService`] call.
 pub type ShedFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
-/// The fleet's one key.
+/// The fleet's one key: the global key, which no client's key can equal (`Key::new("fleet")`
+/// was shared with a client whose key was literally `fleet`, when one limiter's name also
+/// served a per-client layer).
 fn fleet_key() -> Key {
-    Key::new("fleet")
+    Key::global()
 }
 
 impl<S, B, ResBody> Service<Request<B>> for LoadShedService<S>

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::{routing::get, Router};
-use fleetlimit::concurrency::ConcurrencyLimiter;
+use fleetlimit::concurrency::{ConcurrencyLimitLayer, ConcurrencyLimiter};
 use fleetlimit::shed::{FleetUsage, LoadShedLayer, Priority, Shed, ShedReason, WorkerUtilisation};
 use fleetlimit::store::RedisStore;
-use fleetlimit::OnStoreError;
+use fleetlimit::{key, MemoryStore, OnStoreError};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -359,4 +359,55 @@ async fn in_an_outage_the_local_slots_keep_the_priorities_shares() {
     gate.add_permits(2);
     assert_eq!(critical.await.unwrap(), StatusCode::OK);
     assert_eq!(first.await.unwrap(), StatusCode::OK);
+}
+
+/// One limiter's name serving both the fleet budget and a per-client limit: a client whose key
+/// is literally `fleet` holds its own slots, never the fleet budget's (the budget's key was
+/// once `Key::new("fleet")`, and that client took the budget's only slot).
+#[tokio::test]
+async fn a_client_keyed_fleet_never_holds_the_fleet_budget() {
+    let slots = ConcurrencyLimiter::builder(MemoryStore::new(), "in-flight", 1)
+        .build()
+        .unwrap();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (arrived, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler_gate = gate.clone();
+    let per_client = Router::new()
+        .route(
+            "/",
+            get(move || {
+                let (gate, arrived) = (handler_gate.clone(), arrived.clone());
+                async move {
+                    let _ = arrived.send(());
+                    let _ = gate.acquire().await;
+                    "ok"
+                }
+            }),
+        )
+        .layer(
+            ConcurrencyLimitLayer::builder(slots.clone())
+                .key(key::header("x-api-key"))
+                .build()
+                .unwrap(),
+        );
+    let fleet = slow_app(0).layer(
+        LoadShedLayer::builder(classify)
+            .fleet(FleetUsage::new(slots))
+            .build()
+            .unwrap(),
+    );
+    let req = Request::get("/")
+        .header("x-api-key", "fleet")
+        .body(Body::empty())
+        .unwrap();
+    let held = tokio::spawn(per_client.oneshot(req));
+    arrivals.recv().await.unwrap();
+    let req = Request::get("/")
+        .header("x-priority", "critical")
+        .body(Body::empty())
+        .unwrap();
+    let r = fleet.oneshot(req).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "the budget's slot is free");
+    gate.add_permits(1);
+    assert_eq!(held.await.unwrap().unwrap().status(), StatusCode::OK);
 }
