@@ -189,6 +189,57 @@ async fn a_cancelled_request_frees_its_slot() {
     all_free(&limiter).await;
 }
 
+/// A response body that streams on: the slot is held while it streams, refused to a second
+/// request (gRPC callers get `RESOURCE_EXHAUSTED` in a 200), and free again once the client
+/// drops the body mid-stream, unread to its end.
+#[tokio::test]
+async fn a_body_dropped_mid_stream_frees_its_slot() {
+    let limiter = ConcurrencyLimiter::builder(MemoryStore::new(), "in-flight", 1)
+        .build()
+        .unwrap();
+    /// A chunk whenever asked, never the end.
+    struct Endless;
+    impl http_body::Body for Endless {
+        type Data = axum::body::Bytes;
+        type Error = std::io::Error;
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            let chunk = axum::body::Bytes::from_static(b"chunk");
+            std::task::Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
+        }
+    }
+    let endless = || async { Body::new(Endless) };
+    let app = Router::new().route("/", get(endless)).layer(
+        ConcurrencyLimitLayer::builder(limiter.clone())
+            .key(key::header("x-api-key"))
+            .build()
+            .unwrap(),
+    );
+    let req = |grpc: bool| {
+        let builder = match grpc {
+            true => Request::post("/").header("content-type", "application/grpc"),
+            false => Request::get("/"),
+        };
+        builder
+            .header("x-api-key", "tenant")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let streaming = app.clone().oneshot(req(false)).await.unwrap();
+    let mut body = streaming.into_body();
+    let first = body.frame().await.unwrap().unwrap();
+    assert_eq!(first.into_data().unwrap(), "chunk");
+    let refused = app.clone().oneshot(req(false)).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let refused = app.clone().oneshot(req(true)).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::OK);
+    assert_eq!(refused.headers()["grpc-status"], "8");
+    drop(body);
+    all_free(&limiter).await;
+}
+
 /// A refusal by the concurrency layer inside a rate-limit layer gives the rate permit back.
 #[tokio::test]
 async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
