@@ -103,6 +103,35 @@ async fn a_live_change_carries_the_state_over() {
     }
 }
 
+/// Two limiters giving one rule name different algorithms (a reconfiguration while the old
+/// limiter's clones still serve) keep a count each, on both stores, as Redis names its keys
+/// by algorithm: alternating requests admit each quota once, 20 of 100. The memory store once
+/// replaced one's state by a fresh one of the other on every alternate request: all 100.
+#[tokio::test]
+async fn two_algorithms_on_one_rule_name_keep_their_counts() {
+    each_backend(async |backend, clock, name| {
+        let window = backend
+            .limiter(quota(Algorithm::SlidingWindow, 10), &clock)
+            .await;
+        let bucket = backend
+            .limiter(quota(Algorithm::TokenBucket, 10), &clock)
+            .await;
+        let key = Key::new("tenant");
+        let mut n = 0;
+        for i in 0..100 {
+            let limiter = if i % 2 == 0 { &window } else { &bucket };
+            n += usize::from(limiter.consume(&key, 1).await.unwrap().allowed);
+        }
+        assert_eq!(n, 20, "{name}");
+        let peeked = window.peek(&key).await.unwrap();
+        assert_eq!(
+            peeked.remaining, 0,
+            "{name}: a peek keeps the other's count"
+        );
+    })
+    .await;
+}
+
 /// Two instances on one key, one still on the old quota and one on the new, hammering across
 /// the change: together they never admit more than the larger of the two in a window.
 #[tokio::test]

@@ -121,8 +121,8 @@ struct Shard {
     hasher: DefaultHashBuilder,
     /// Sweep expired entries when the shard reaches this size.
     next_sweep: usize,
-    /// With [`Overflow::Shared`]: the state new keys share, per rule, while the shard is full,
-    /// with its expiry. Kept until it expires, not only while the shard is full: a key that
+    /// With [`Overflow::Shared`]: the state new keys share, per rule and algorithm, while the
+    /// shard is full, with its expiry. Kept until it expires, not only while the shard is full: a key that
     /// leaves it for an entry of its own starts from it (see [`Shard::fresh`]).
     overflow: Vec<(Arc<str>, State, u64)>,
     /// The latest time a decision in this shard was made at (µs). Time read before taking the
@@ -156,9 +156,15 @@ struct Entry {
 }
 
 impl Entry {
-    /// Whether this is the check's (rule, key) entry.
+    /// Whether this is the check's (rule, algorithm, key) entry. The algorithm is part of a
+    /// state's identity, as it is of a Redis key's name: two limiters that give one rule name
+    /// different algorithms (a reconfiguration while old clones still serve) each keep their
+    /// own count, where replacing one state by a fresh one of the other algorithm wiped it on
+    /// every alternate request.
     fn is_for(&self, check: &Check<'_>) -> bool {
-        self.rule == check.rule.name_id() && self.key == *check.key
+        self.rule == check.rule.name_id()
+            && self.state.fits(check.rule.quota())
+            && self.key == *check.key
     }
 
     /// Decide a consume on a state [`Shard::held`] found, then take the permits or put the state
@@ -273,7 +279,7 @@ impl MemoryStore {
                     // refund's quota: read under another, a state is converted to it, which a
                     // refund must never do (a key's hour of permits moved into a minute that
                     // ends). Such a receipt refunds nothing.
-                    Some(entry) if entry.state.fits(quota) => {
+                    Some(entry) => {
                         if entry.state.converts(now, quota) {
                             return peek(&mut entry.state.clone(), now, quota);
                         }
@@ -282,7 +288,7 @@ impl MemoryStore {
                         entry.expires_at = entry.state.expires_at(quota);
                         peek(&mut entry.state, now, quota)
                     }
-                    // Evicted, expired or another algorithm's: nothing is outstanding any more.
+                    // Evicted or expired: nothing is outstanding any more.
                     _ => peek(&mut State::new(quota), now, quota),
                 }
             })
@@ -655,7 +661,7 @@ impl Inner {
             for (g, _, total, members) in groups.into_iter().filter(|x| x.3.len() > 1) {
                 let first = &checks[members[0]];
                 let quota = first.rule.quota();
-                let mut shared = fitted(&mut guards[g].overflow_state(first).1, quota).clone();
+                let mut shared = guards[g].overflow_state(first).1.clone();
                 let together = shared.decide(now, quota, total);
                 if !together.allowed {
                     for i in members {
@@ -734,7 +740,11 @@ impl Shard {
     fn overflow_state(&mut self, check: &Check<'_>) -> &mut (Arc<str>, State, u64) {
         let quota = check.rule.quota();
         let name = check.rule.shared_name();
-        let i = match self.overflow.iter().position(|(r, _, _)| r == name) {
+        let i = match self
+            .overflow
+            .iter()
+            .position(|(r, state, _)| r == name && state.fits(quota))
+        {
             Some(i) => i,
             None => {
                 self.overflow.push((name.clone(), State::new(quota), 0));
@@ -782,12 +792,12 @@ impl Shard {
         };
         let state = match place {
             Place::Found => match self.find(check, hash) {
-                Some(entry) => fitted(&mut entry.state, quota),
+                Some(entry) => &mut entry.state,
                 None => &mut fresh,
             },
             Place::Fresh => &mut fresh,
             Place::Overflow => match store.overflow {
-                Overflow::Shared => fitted(&mut self.overflow_state(check).1, quota),
+                Overflow::Shared => &mut self.overflow_state(check).1,
                 Overflow::Refuse { retry_after } => {
                     let limit = quota.capacity();
                     let d = Decision::deny(limit, 0, retry_after, Some(retry_after));
@@ -822,7 +832,7 @@ impl Shard {
     fn held(&mut self, check: &Check<'_>, hash: u64, now: u64) -> Option<&mut Entry> {
         let quota = check.rule.quota();
         let entry = self.find(check, hash)?;
-        (entry.state.fits(quota) && !entry.state.converts(now, quota)).then_some(entry)
+        (!entry.state.converts(now, quota)).then_some(entry)
     }
 
     /// A consume's refusal decided without writing, under the shared lock: the key's state is
@@ -834,7 +844,7 @@ impl Shard {
         let quota = check.rule.quota();
         let now = now.max(self.latest);
         let entry = self.table.find(hash, |e| e.is_for(check))?;
-        if !entry.state.fits(quota) || entry.state.converts(now, quota) {
+        if entry.state.converts(now, quota) {
             return None;
         }
         entry.state.refusal(now, quota, check.cost)
@@ -905,8 +915,7 @@ impl Shard {
             Place::Found => {}
         }
         let entry = self.find(check, hash)?;
-        let state = fitted(&mut entry.state, quota);
-        let out = f(state);
+        let out = f(&mut entry.state);
         entry.expires_at = entry.state.expires_at(quota);
         entry.used = used_share(&peek(&mut entry.state, now, quota), quota);
         Some(out)
@@ -970,7 +979,6 @@ impl Shard {
     }
 }
 
-/// The state, made fresh if it belongs to another algorithm (a rule was reconfigured).
 /// A state as it was before a decision, to put back if nothing is taken.
 enum Undo {
     State(State),
@@ -997,13 +1005,6 @@ impl Undo {
             *state = before;
         }
     }
-}
-
-fn fitted<'s>(state: &'s mut State, quota: &Quota) -> &'s mut State {
-    if !state.fits(quota) {
-        *state = State::new(quota);
-    }
-    state
 }
 
 impl MemoryStore {
