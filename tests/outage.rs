@@ -5,7 +5,7 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fleetlimit::store::RedisStore;
+use fleetlimit::store::{Op, RedisStore};
 use fleetlimit::{
     Algorithm, BreakerConfig, Decision, Key, Limiter, OnStoreError, Quota, Rule, Source,
 };
@@ -378,6 +378,51 @@ async fn a_dead_cluster_master_only_degrades_its_own_keys() {
         }
     }
     assert!(dead_degraded > 0);
+}
+
+/// Per account AND per address on a cluster, the two keys on different masters, failing open.
+/// The address's master dies: the account's exhausted quota, on a live master, still refuses
+/// (whichever check's master is asked first), instead of the policy admitting the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_masters_refusal_stands_when_another_master_is_down() {
+    let mut cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let per_hour = |limit| Quota::per_hour(limit).build().unwrap();
+    let (account, ip) = (
+        Rule::new("account", per_hour(1)).unwrap(),
+        Rule::new("ip", per_hour(100)).unwrap(),
+    );
+    let limiter = Limiter::builder(store.clone())
+        .rule(account.clone())
+        .rule(ip.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .unwrap();
+    let node_of = |rule: &Rule, key: &Key| {
+        cluster.node_for_slot(fleetlimit::store::redis::slot(&store.key_for(rule, key)))
+    };
+    let find = |rule: &Rule, node: usize| {
+        (0..1000)
+            .map(|i| Key::new(format!("{}-{i}", rule.name())))
+            .find(|k| node_of(rule, k) == node)
+            .unwrap()
+    };
+    let (a, b) = (find(&account, 1), find(&ip, 0));
+    let both = [("account", &a), ("ip", &b)];
+    let first = limiter.apply_to(Op::Consume, &both, 1).await.unwrap();
+    assert!(first.iter().all(|d| d.allowed && !d.degraded), "{first:?}");
+    cluster.kill_node(0);
+    for targets in [both, [("ip", &b), ("account", &a)]] {
+        let decisions = limiter.apply_to(Op::Consume, &targets, 1).await.unwrap();
+        let account = decisions[if targets[0].0 == "account" { 0 } else { 1 }];
+        assert!(
+            !account.allowed && account.source == Source::Store,
+            "the live master's refusal: {decisions:?}"
+        );
+    }
 }
 
 /// Repeated kill/restart cycles under load, bounded in time: every request answered within the

@@ -4,7 +4,9 @@
 //!
 //! Promise: a request on several domains is all-or-nothing as far as the store can tell (permits
 //! are held briefly, never granted twice); when one domain cannot answer, what the others took is
-//! given back and the outage policy decides the whole request.
+//! given back and the outage policy decides the request, except where a domain that answered
+//! refused: its refusal stands (an exhausted account is not admitted because its address's
+//! master is down).
 
 use super::policy::Deadline;
 use super::Inner;
@@ -35,15 +37,17 @@ impl Inner {
                     }
                     decisions
                 }
-                None => self.fallback(op, checks),
+                None => self.fallback(op, checks, Vec::new()),
             };
         }
         let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
         let mut taken: Vec<usize> = Vec::new();
-        let mut denied = false;
+        let (mut denied, mut failed) = (false, false);
         for members in &groups {
             let group: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            let group_op = if denied { Op::Peek } else { op };
+            // Once one domain refused or could not answer, the others are only asked: for a
+            // refusal that decides the request (within what is left of the deadline).
+            let group_op = if denied || failed { Op::Peek } else { op };
             let Some(decisions) = self
                 .call_store(
                     "apply",
@@ -53,8 +57,8 @@ impl Inner {
                 )
                 .await
             else {
-                self.compensate(checks, &mut out, &taken, deadline).await;
-                return self.fallback(op, checks);
+                failed = true;
+                continue;
             };
             self.learn_listings(&group, &decisions, asked_at);
             let all_allowed = decisions.iter().all(|d| d.allowed);
@@ -69,12 +73,17 @@ impl Inner {
                 }
             }
         }
-        if denied {
+        if denied || failed {
             self.compensate(checks, &mut out, &taken, deadline).await;
+        }
+        if failed {
+            // What the domains that answered refused stands; the policy decides the rest.
+            let refused = out.into_iter().map(|d| d.filter(|d| !d.allowed)).collect();
+            return self.fallback(op, checks, refused);
         }
         match out.into_iter().collect::<Option<Vec<_>>>() {
             Some(decisions) => decisions,
-            None => self.fallback(op, checks),
+            None => self.fallback(op, checks, Vec::new()),
         }
     }
 

@@ -506,7 +506,7 @@ impl Inner {
 
     /// The store could not decide: the outage policy decides this request.
     fn policy_decision(&self, check: &Check<'_>) -> Decision {
-        self.fallback(Op::Consume, std::slice::from_ref(check))
+        self.fallback(Op::Consume, std::slice::from_ref(check), Vec::new())
             .pop()
             .unwrap_or_else(|| Decision::deny(0, 0, Duration::ZERO, None))
     }

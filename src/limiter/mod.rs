@@ -1037,13 +1037,24 @@ impl Inner {
     /// refusal the denial cache remembered (a single-rule request on the rule's own quota, at the
     /// same cost) stands until its own retry time. When one check is refused, the others are
     /// only peeked, nothing taken; allow-listed checks are left out of what the policy counts.
-    fn fallback(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
+    /// `refused_by_store`: this request's refusals by the failure domains that did answer (a
+    /// cluster slot on a live master), which stand the same way.
+    fn fallback(
+        &self,
+        op: Op,
+        checks: &[Check<'_>],
+        refused_by_store: Vec<Option<Decision>>,
+    ) -> Vec<Decision> {
         self.degraded.fetch_add(1, Ordering::Relaxed);
         let policy = self.policy.as_ref().unwrap_or(&Policy::Open);
         let now = self.clock.now_us();
+        let mut refused_by_store = refused_by_store.into_iter();
         let known: Vec<Option<Decision>> = checks
             .iter()
             .map(|c| {
+                if let Some(d) = refused_by_store.next().flatten() {
+                    return Some(d);
+                }
                 if let Some(d) = self
                     .listings
                     .in_outage(c.key, c.rule.quota().capacity(), now)
