@@ -73,9 +73,16 @@ impl ManualClock {
         ManualClock(Arc::new(AtomicU64::new(now_us)))
     }
 
-    /// Move the clock forward.
+    /// Move the clock forward, stopping at the last reading (a huge `by` never wraps it round
+    /// to an earlier one).
     pub fn advance(&self, by: Duration) {
-        self.0.fetch_add(by.as_micros() as u64, Ordering::SeqCst);
+        let by = u64::try_from(by.as_micros()).unwrap_or(u64::MAX);
+        // The closure always answers, so the update cannot fail.
+        let _ = self
+            .0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                Some(now.saturating_add(by))
+            });
     }
 
     /// Set the clock to an absolute reading.
@@ -94,5 +101,21 @@ impl Default for ManualClock {
 impl Clock for ManualClock {
     fn now_us(&self) -> u64 {
         self.0.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_manual_clock_only_moves_forward() {
+        let clock = ManualClock::new(1_000);
+        clock.advance(Duration::from_micros(5));
+        assert_eq!(clock.now_us(), 1_005);
+        clock.advance(Duration::MAX);
+        assert_eq!(clock.now_us(), u64::MAX);
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(clock.now_us(), u64::MAX);
     }
 }

@@ -106,9 +106,11 @@ impl Penalties {
 
     /// Forget the records that can no longer lead to a block or a longer one: a key never
     /// blocked once its window has passed, a blocked one once it is forgiven. If that frees
-    /// nothing (a spray of keys, each refused once), forget the eighth whose windows started
-    /// first (a key blocked now last: its window starts when its block ends): a full box must go on counting new keys, or a spray would switch it
-    /// off for a day.
+    /// nothing (a spray of keys, each refused once), forget the eighth furthest from a block:
+    /// never blocked before the others, then the fewest denials, then the windows that started
+    /// first. A full box must go on counting new keys, or a spray would switch it off for a
+    /// day; and the spray's keys go before a key refused again and again (forgetting the
+    /// oldest windows first forgot exactly that key, the one nearest its block).
     fn make_room(&self, records: &mut HashMap<Key, Record>, now: u64) {
         let c = &self.config;
         let (within, forgive) = (micros(c.within), micros(c.forgive_after));
@@ -123,12 +125,19 @@ impl Penalties {
         if records.len() < self.capacity {
             return;
         }
-        let mut starts: Vec<u64> = records.values().map(|r| r.window_start).collect();
+        let standing = |r: &Record| {
+            (
+                r.blocks > 0 || r.blocked_until > now,
+                r.denials,
+                r.window_start,
+            )
+        };
+        let mut ranks: Vec<_> = records.values().map(standing).collect();
         let eighth = (records.len() / 8).max(1);
-        let (_, &mut cut, _) = starts.select_nth_unstable(eighth - 1);
+        let (_, &mut cut, _) = ranks.select_nth_unstable(eighth - 1);
         let mut dropped = 0;
         records.retain(|_, r| {
-            let drop = dropped < eighth && r.window_start <= cut;
+            let drop = dropped < eighth && standing(r) <= cut;
             dropped += usize::from(drop);
             !drop
         });
@@ -259,6 +268,25 @@ mod tests {
             assert_eq!(p.denied(&repeat, after), None);
         }
         assert_eq!(p.denied(&repeat, after), Some(Duration::from_secs(120)));
+    }
+
+    /// A key refused twice of three, then a spray of keys each refused once filling the box
+    /// many times over: the spray's keys are forgotten first, so the third refusal still
+    /// blocks (forgetting the oldest windows first forgot the offender at the first spill).
+    #[test]
+    fn a_spray_never_forgets_the_key_nearest_its_block() {
+        let p = Penalties::new(
+            Penalty::new(3, Duration::from_secs(60), Duration::from_secs(60)),
+            100,
+        );
+        let offender = Key::new("offender");
+        assert_eq!(p.denied(&offender, 0), None);
+        assert_eq!(p.denied(&offender, 1), None);
+        for i in 0..1000u64 {
+            assert_eq!(p.denied(&Key::new(i.to_be_bytes()), 2 + i), None);
+        }
+        assert!(p.records.lock().len() <= 100);
+        assert_eq!(p.denied(&offender, 2000), Some(Duration::from_secs(60)));
     }
 
     #[test]

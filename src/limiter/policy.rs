@@ -210,16 +210,23 @@ impl Policy {
     }
 }
 
-/// `quota` divided between `servers`: limit and burst, at least 1 each, the same algorithm.
+/// `quota` divided between `servers`: limit and burst, at least 1 each, the same algorithm
+/// with the same settings (a sliding window's sub-windows and estimate: a `Bounded` window
+/// must stay bounded in an outage).
 fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
     let mut b = Quota::new((quota.limit() / servers).max(1), quota.period())
         .algorithm(quota.algorithm())
         .max_log_len(quota.limit());
-    if matches!(
-        quota.algorithm(),
-        crate::Algorithm::TokenBucket | crate::Algorithm::Gcra
-    ) {
-        b = b.burst((quota.burst() / servers).max(1));
+    match quota.algorithm() {
+        crate::Algorithm::TokenBucket | crate::Algorithm::Gcra => {
+            b = b.burst((quota.burst() / servers).max(1));
+        }
+        crate::Algorithm::SlidingWindow => {
+            b = b
+                .sub_windows(quota.sub_windows())
+                .estimate(quota.estimate());
+        }
+        _ => {}
     }
     b.build()
 }
@@ -303,6 +310,22 @@ mod tests {
 
     fn clock() -> Arc<dyn Clock> {
         Arc::new(ManualClock::default())
+    }
+
+    /// A share keeps every setting but the numbers divided: a sliding window's sub-windows
+    /// and estimate too (a `Bounded` window fell back to the weighted default in an outage).
+    #[test]
+    fn a_share_keeps_the_windows_settings() {
+        let bounded = Quota::per_second(100)
+            .sub_windows(1)
+            .estimate(crate::WindowEstimate::Bounded)
+            .build()
+            .unwrap();
+        assert_eq!(share(&bounded, 1).unwrap(), bounded);
+        let half = share(&bounded, 2).unwrap();
+        assert_eq!(half.limit(), 50);
+        assert_eq!(half.sub_windows(), 1);
+        assert_eq!(half.estimate(), crate::WindowEstimate::Bounded);
     }
 
     #[test]
