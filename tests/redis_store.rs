@@ -1043,6 +1043,61 @@ async fn a_two_counter_state_from_an_earlier_build_keeps_its_permits() {
     assert_eq!(old_fields.as_int(), Some(0), "the old fields are gone");
 }
 
+/// The clock steps back (an NTP step on the Redis host, a failover to a replica behind, or
+/// instances on the app clock whose clocks differ) before a refund: the scripts measure the
+/// debt paid back from the state's latest time, so a refund gives back nothing the bucket had
+/// already let go, and the token bucket's wait is counted from the earlier clock.
+#[tokio::test]
+async fn a_refund_after_the_clock_stepped_back_creates_nothing() {
+    let server = RedisServer::start();
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let start = 1_735_689_600_000_000u64;
+        let clock = ManualClock::new(start);
+        let store = test_store()
+            .clock(clock.clone())
+            .connect(&server.url())
+            .await
+            .unwrap();
+        let r = rule("stepped", algorithm, 10, Duration::from_secs(60), Some(10));
+        let key = Key::new(format!("{algorithm}"));
+        let check = [Check {
+            rule: &r,
+            key: &key,
+            cost: 10,
+        }];
+        let first = store.apply(Op::Consume, &check).await.unwrap()[0];
+        let taken = first.taken().unwrap();
+        clock.advance(Duration::from_secs(60));
+        assert!(store.apply(Op::Consume, &check).await.unwrap()[0].allowed);
+        clock.set(start + 30_000_000);
+        let refund = [Refund {
+            rule: &r,
+            key: &key,
+            taken,
+        }];
+        store.refund(&refund).await.unwrap();
+        let one = [Check {
+            cost: 1,
+            ..check[0]
+        }];
+        let d = store.apply(Op::Consume, &one).await.unwrap()[0];
+        assert!(!d.allowed, "{algorithm}: {d:?}");
+        if algorithm == Algorithm::TokenBucket {
+            assert_eq!(
+                d.retry_after,
+                Some(Duration::from_secs(36)),
+                "6 s after the latest"
+            );
+        }
+        clock.set(start + 60_000_000);
+        let d = store.apply(Op::Consume, &one).await.unwrap()[0];
+        assert!(
+            !d.allowed,
+            "{algorithm}: the first ten were paid back already: {d:?}"
+        );
+    }
+}
+
 /// A request over two cluster slots whose second master hangs: the first slot's permits are
 /// given back (after the deadline, in the background), and its breaker is not charged for the
 /// other master's failure, however many such requests time out at once.

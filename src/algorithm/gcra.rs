@@ -30,6 +30,11 @@ pub(crate) struct Gcra {
     /// Receipts from before this time (µs) refund nothing: the state was created, or written
     /// under another interval, then. 0 until the first permit is taken.
     pub(crate) valid_from: u64,
+    /// The latest time (µs) the state was decided at. A refund measures the debt already paid
+    /// back from it, not from a clock that stepped back (an NTP step, a failover to a replica
+    /// behind, an instance's own clock behind another's), which would give back debt the
+    /// state had already let go: permits made from nothing.
+    pub(crate) latest: u64,
 }
 
 impl Gcra {
@@ -49,6 +54,7 @@ impl Gcra {
             }
             self.emission = t;
         }
+        self.latest = self.latest.max(now);
         let tat = self.tat.max(now);
         let ahead = tat - now;
         let remaining = horizon.saturating_sub(ahead) / quota.emission();
@@ -80,7 +86,7 @@ impl Gcra {
             return;
         }
         let debt = taken.cost.min(quota.burst()) * quota.emission_us();
-        let elapsed = now.saturating_sub(taken.at);
+        let elapsed = now.max(self.latest).saturating_sub(taken.at);
         if elapsed >= debt {
             return;
         }
@@ -118,6 +124,26 @@ mod tests {
         assert_eq!(d.retry_after, Some(ms(200)));
         assert_retry_is_exact(&s, 2);
         assert!(s.consume(4).never_admissible());
+    }
+
+    /// The clock steps back (an NTP step, a failover to a replica behind) before a refund:
+    /// the debt the state had already let go by its latest time is not given back again.
+    #[test]
+    fn a_refund_after_the_clock_stepped_back_creates_nothing() {
+        let q = quota(10, 1000, 10);
+        let mut s = Sim::new(&q, T0);
+        assert!(s.consume(10).allowed);
+        let first = s.last_taken();
+        s.advance_ms(1000);
+        assert!(s.consume(10).allowed);
+        s.now = T0 + 500_000;
+        s.refund(first);
+        s.now = T0 + 1_000_000;
+        assert_eq!(
+            s.peek().remaining,
+            0,
+            "the first ten were paid back already"
+        );
     }
 
     #[test]

@@ -76,20 +76,27 @@ impl TokenBucket {
             self.missing -= elapsed * rate;
         }
         self.last = self.last.max(now);
+        // The bucket refills from `last` on: after a clock that stepped back, `now` has that far
+        // to go first, and the waits are counted from `now`.
+        let behind = self.last - now;
 
         let units = full.saturating_sub(self.missing);
         let remaining = units / scale;
-        let reset_after = div_ceil(self.missing, rate);
+        let reset_after = behind + div_ceil(self.missing, rate);
         if cost > burst {
             return never(burst, remaining, reset_after);
         }
         let need = cost * scale;
         if units >= need {
             let left = units - need;
-            Decision::admit(burst, left / scale, us(div_ceil(full - left, rate)))
+            Decision::admit(
+                burst,
+                left / scale,
+                us(behind + div_ceil(full - left, rate)),
+            )
         } else {
             // The wait until `missing` has fallen to `full - need` (it may exceed `full`).
-            let retry = div_ceil(self.missing + need - full, rate);
+            let retry = behind + div_ceil(self.missing + need - full, rate);
             Decision::deny(burst, remaining, us(reset_after), Some(us(retry)))
         }
     }
@@ -116,7 +123,9 @@ impl TokenBucket {
         }
         let (scale, rate) = scale_and_rate(quota);
         let debt = taken.cost.min(quota.burst()) * scale;
-        let elapsed = now.saturating_sub(taken.at);
+        // From the latest time the bucket was refilled to, not a clock that stepped back
+        // behind it: that would give back debt already refilled.
+        let elapsed = now.max(self.last).saturating_sub(taken.at);
         if elapsed >= div_ceil(debt, rate) {
             return;
         }
@@ -150,6 +159,29 @@ mod tests {
 
     fn quota(limit: u64, period_ms: u64, burst: u64) -> crate::Quota {
         quota_of(Algorithm::TokenBucket, limit, period_ms, Some(burst))
+    }
+
+    /// The clock steps back before a refund: the debt already refilled by the bucket's latest
+    /// time is not given back again, and a refusal's wait is counted from the earlier clock,
+    /// exactly.
+    #[test]
+    fn a_clock_that_stepped_back_creates_nothing_and_waits_exactly() {
+        let q = quota(10, 1000, 10);
+        let mut s = Sim::new(&q, T0);
+        assert!(s.consume(10).allowed);
+        let first = s.last_taken();
+        s.advance_ms(1000);
+        assert!(s.consume(10).allowed);
+        s.now = T0 + 500_000;
+        s.refund(first);
+        let d = s.consume(1);
+        assert!(!d.allowed, "the first ten were refilled already: {d:?}");
+        assert_eq!(
+            d.retry_after,
+            Some(ms(600)),
+            "100 ms after the latest time, 1.1 s"
+        );
+        assert_retry_is_exact(&s, 1);
     }
 
     #[test]

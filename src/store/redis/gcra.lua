@@ -1,11 +1,13 @@
 -- GCRA: src/algorithm/gcra.rs, line for line.
 -- State: HASH { t = theoretical arrival time (µs), e = the emission interval it was written under,
--- v = receipts from before this time refund nothing }.
+-- v = receipts from before this time refund nothing, l = the latest time it was decided at }.
 local gcra = {}
 
 function gcra.load(key)
-  local v = hash_numbers(key, { 't', 'e', 'v' })
-  return { key = key, tat = v[1] or 0, emission = v[2] or 0, valid_from = v[3] or 0 }
+  local v = hash_numbers(key, { 't', 'e', 'v', 'l' })
+  return {
+    key = key, tat = v[1] or 0, emission = v[2] or 0, valid_from = v[3] or 0, latest = v[4] or 0,
+  }
 end
 
 function gcra.decide(st, now, q, cost)
@@ -22,6 +24,7 @@ function gcra.decide(st, now, q, cost)
     end
     st.emission = t
   end
+  st.latest = math.max(st.latest, now)
   local tat = math.max(st.tat, now)
   local ahead = tat - now
   local remaining = math.floor(math.max(horizon - ahead, 0) / t)
@@ -46,14 +49,15 @@ end
 function gcra.refund(st, now, q, at, cost)
   if at < st.valid_from then return end
   local debt = math.min(cost, q.burst) * q.emission
-  local elapsed = math.max(now - at, 0)
+  local elapsed = math.max(math.max(now, st.latest) - at, 0)
   if elapsed >= debt then return end
   st.tat = math.max(st.tat - (debt - elapsed), now)
 end
 
 function gcra.save(st, now, q)
   if st.tat > now then
-    redis.call('HSET', st.key, 't', int(st.tat), 'e', int(st.emission), 'v', int(st.valid_from))
+    redis.call('HSET', st.key, 't', int(st.tat), 'e', int(st.emission), 'v', int(st.valid_from),
+      'l', int(st.latest))
   end
   expire_at(st.key, st.tat, now)
 end

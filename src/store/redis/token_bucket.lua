@@ -30,17 +30,18 @@ function token_bucket.decide(st, now, q, cost)
     st.missing = st.missing - elapsed * rate
   end
   st.last = math.max(st.last, now)
+  local behind = st.last - now
 
   local units = math.max(full - st.missing, 0)
   local remaining = math.floor(units / scale)
-  local reset_after = ceil_div(st.missing, rate)
+  local reset_after = behind + ceil_div(st.missing, rate)
   if cost > burst then return { 0, burst, remaining, reset_after, -1 } end
   local need = cost * scale
   if units >= need then
     local left = units - need
-    return { 1, burst, math.floor(left / scale), ceil_div(full - left, rate), -1 }
+    return { 1, burst, math.floor(left / scale), behind + ceil_div(full - left, rate), -1 }
   end
-  return { 0, burst, remaining, reset_after, ceil_div(st.missing + need - full, rate) }
+  return { 0, burst, remaining, reset_after, behind + ceil_div(st.missing + need - full, rate) }
 end
 
 function token_bucket.taken(st, cost)
@@ -57,7 +58,7 @@ function token_bucket.refund(st, now, q, at, cost)
   if at < st.valid_from then return end
   local scale, rate = q.token_units, q.refill_units
   local debt = math.min(cost, q.burst) * scale
-  local elapsed = math.max(now - at, 0)
+  local elapsed = math.max(math.max(now, st.last) - at, 0)
   if elapsed >= ceil_div(debt, rate) then return end
   st.missing = math.max(st.missing - (debt - elapsed * rate), 0)
 end
