@@ -716,23 +716,29 @@ fn push(args: &mut Vec<Vec<u8>>, arg: impl redis::ToRedisArgs) {
 const MAX_REDIRECTIONS: u32 = 8;
 
 /// Follow a cluster call's redirections (MOVED, ASK with `ASKING`) and answers that refused to run
-/// it (TRYAGAIN, CLUSTERDOWN, MASTERDOWN, LOADING). Every one of them means the script did not run,
+/// it (TRYAGAIN, CLUSTERDOWN, MASTERDOWN, LOADING). Every one of them means the call did not run,
 /// so sending it again is safe. Nothing else is sent again: after a broken connection or a timeout
-/// the script may have run, and running it twice would count twice (that is why redis-rs's own
-/// retries are off). A redirected call runs the script by its hash, its text going only to a node
-/// that answers NOSCRIPT; an error reply to a redirected call is followed like the first.
-async fn follow_redirections(
+/// the call may have run, and running a script twice would count twice (that is why redis-rs's
+/// own retries are off). `again` sends the call to a node (after `ASKING` when asked to); an
+/// error reply to a redirected call is followed like the first. With `until_try_again`, a
+/// TRYAGAIN is returned at once, for the caller to send another call instead.
+async fn follow_redirections<T, F>(
     conn: &mut ClusterConnection,
-    script_hash: &str,
-    mut result: Result<Vec<i64>, RedisError>,
-    keys: &[Vec<u8>],
-    args: &[Vec<u8>],
-) -> Result<Vec<i64>, RedisError> {
+    slot: u16,
+    until_try_again: bool,
+    mut result: Result<T, RedisError>,
+    mut again: impl FnMut(ClusterConnection, redis::cluster_routing::SingleNodeRoutingInfo, bool) -> F,
+) -> Result<T, RedisError>
+where
+    F: std::future::Future<Output = Result<T, RedisError>>,
+{
     use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
     use redis::RetryMethod;
-    let slot = keys.first().map_or(0, |k| slot(k));
     for attempt in 0..MAX_REDIRECTIONS {
         let Err(error) = &result else { break };
+        if until_try_again && error.code() == Some("TRYAGAIN") {
+            break;
+        }
         let method = error.retry_method();
         let node = error.redirect_node().and_then(|(address, _)| {
             let (host, port) = address.rsplit_once(':')?;
@@ -747,17 +753,17 @@ async fn follow_redirections(
         result = match (method, node) {
             (RetryMethod::MovedRedirect, Some(node)) => {
                 tracing::debug!(slot, %error, "fleetlimit: cluster slot moved; following");
-                run_on(conn, node, false, script_hash, keys, args).await
+                again(conn.clone(), node, false).await
             }
             (RetryMethod::AskRedirect, Some(node)) => {
                 tracing::debug!(slot, %error, "fleetlimit: cluster slot migrating; asking its new node");
-                run_on(conn, node, true, script_hash, keys, args).await
+                again(conn.clone(), node, true).await
             }
             (RetryMethod::WaitAndRetry, _) => {
                 tracing::debug!(slot, %error, "fleetlimit: cluster slot unavailable for now; trying again");
                 tokio::time::sleep(Duration::from_millis(1 << attempt.min(3))).await;
                 let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
-                run_on(conn, route, false, script_hash, keys, args).await
+                again(conn.clone(), route, false).await
             }
             _ => break,
         };
@@ -778,7 +784,7 @@ fn arg_now(cmd: &mut redis::Cmd, now: Option<u64>) {
 /// that node has not loaded it yet (NOSCRIPT: nothing ran). Sending the text every time would
 /// cost every redirected call 22 KB to send and hash.
 async fn run_on(
-    conn: &mut ClusterConnection,
+    mut conn: ClusterConnection,
     node: redis::cluster_routing::SingleNodeRoutingInfo,
     asking: bool,
     script_hash: &str,
@@ -790,41 +796,61 @@ async fn run_on(
         cmd.arg(body).arg(keys.len()).arg(keys).arg(args);
         cmd
     };
-    let result = send(conn, &node, asking, call("EVALSHA", script_hash)).await;
+    let result = send(&mut conn, &node, asking, call("EVALSHA", script_hash)).await;
     if result
         .as_ref()
         .is_err_and(|e| e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript))
     {
-        return send(conn, &node, asking, call("EVAL", SCRIPT)).await;
+        return send(&mut conn, &node, asking, call("EVAL", SCRIPT))
+            .await
+            .and_then(numbers);
     }
-    result
+    result.and_then(numbers)
 }
 
+/// `cmd` on one node (after `ASKING` when `asking`); an error reply as the error it is, so it
+/// can be followed.
 async fn send(
     conn: &mut ClusterConnection,
     node: &redis::cluster_routing::SingleNodeRoutingInfo,
     asking: bool,
     cmd: redis::Cmd,
-) -> Result<Vec<i64>, RedisError> {
+) -> Result<redis::Value, RedisError> {
     use redis::cluster_routing::RoutingInfo;
     if !asking {
         return conn
             .route_command(cmd, RoutingInfo::SingleNode(node.clone()))
             .await
-            .and_then(numbers);
+            .and_then(redis::Value::extract_error);
     }
     let mut pipe = redis::pipe();
     pipe.cmd("ASKING").add_command(cmd);
     conn.route_pipeline(pipe, 1, 1, node.clone())
         .await
         .and_then(|values| match <[redis::Value; 1]>::try_from(values) {
-            Ok([value]) => numbers(value),
+            Ok([value]) => value.extract_error(),
             Err(values) => Err(RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
                 "ASKING pipeline",
                 format!("{} answers", values.len()),
             ))),
         })
+}
+
+/// The slot a plain command or small script runs on: its first key (after the hash and the
+/// key count of `EVAL`/`EVALSHA`).
+fn command_slot(cmd: &redis::Cmd) -> u16 {
+    let mut args = cmd.args_iter().filter_map(|arg| match arg {
+        redis::Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    });
+    let name = args.next().unwrap_or_default();
+    let skip = if name.eq_ignore_ascii_case(b"EVALSHA") || name.eq_ignore_ascii_case(b"EVAL") {
+        2
+    } else {
+        0
+    };
+    args.nth(skip).map_or(0, slot)
 }
 
 /// The script's answer as numbers; an error reply (NOSCRIPT, MOVED, TRYAGAIN...) as the error
@@ -968,9 +994,37 @@ impl Inner {
             Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
             Ready::Cluster(mut conn) => {
                 let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
-                let result =
-                    follow_redirections(&mut conn, self.script.get_hash(), result, &keys, &args)
-                        .await;
+                let hash = self.script.get_hash();
+                let slot = keys.first().map_or(0, |k| slot(k));
+                let again = |conn, node, asking| run_on(conn, node, asking, hash, &keys, &args);
+                // While a slot migrates, Redis refuses a call on several keys of which some
+                // have moved and some have not (TRYAGAIN) until the migration ends, and a
+                // listing key, which almost never exists, never moves. Decided without the
+                // listings (the states alone move as one) rather than by the outage policy,
+                // and at once: waiting for the migration would spend the deadline.
+                let listings = op != "refund";
+                let mut result =
+                    follow_redirections(&mut conn, slot, listings, result, again).await;
+                let try_again = |r: &Result<Vec<i64>, RedisError>| {
+                    r.as_ref().is_err_and(|e| e.code() == Some("TRYAGAIN"))
+                };
+                if listings && try_again(&result) {
+                    let states = &keys[..checks.len()];
+                    tracing::debug!(
+                        slot,
+                        "fleetlimit: cluster slot migrating; deciding without the listings"
+                    );
+                    let again =
+                        |conn, node, asking| run_on(conn, node, asking, hash, states, &args);
+                    let route = redis::cluster_routing::SingleNodeRoutingInfo::SpecificNode(
+                        redis::cluster_routing::Route::new(
+                            slot,
+                            redis::cluster_routing::SlotAddr::Master,
+                        ),
+                    );
+                    let first = again(conn.clone(), route, false).await;
+                    result = follow_redirections(&mut conn, slot, false, first, again).await;
+                }
                 self.forget_dead_node(&result);
                 result
             }
@@ -1040,16 +1094,24 @@ impl Inner {
         Ok(match self.connection().await? {
             Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
             Ready::Cluster(mut conn) => {
-                let result = cmd.query_async(&mut conn).await;
-                // No redirection is followed here: a moved slot, like a dead node, makes the
-                // next call connect again and learn the slot map.
-                let moved = result.as_ref().is_err_and(|e| e.redirect_node().is_some());
+                let first = cmd.query_async::<redis::Value>(&mut conn).await;
+                // A moved slot is followed, and the next call connects again to learn the slot
+                // map (an ASK, a migration under way, is only followed).
+                let moved = first
+                    .as_ref()
+                    .is_err_and(|e| matches!(e.retry_method(), redis::RetryMethod::MovedRedirect));
+                let again = |mut conn: ClusterConnection, node, asking| {
+                    let cmd = cmd.clone();
+                    async move { send(&mut conn, &node, asking, cmd).await }
+                };
+                let slot = command_slot(&cmd);
+                let result = follow_redirections(&mut conn, slot, false, first, again).await;
                 if moved {
                     self.forget_cluster_connection(&result);
                 } else {
                     self.forget_dead_node(&result);
                 }
-                result
+                result.and_then(|value| T::from_redis_value(value).map_err(RedisError::from))
             }
             Ready::Shared(mut conn) => self.on_shared(cmd.query_async(&mut conn)).await,
         })
