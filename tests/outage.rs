@@ -425,6 +425,40 @@ async fn a_live_masters_refusal_stands_when_another_master_is_down() {
     }
 }
 
+/// Pauses are read and written through the breaker, within one deadline for all the rules: with
+/// Redis paused and the breaker open (at the defaults), an outbound call's pause check answers
+/// at once instead of waiting a deadline per rule, as every call did for the whole outage.
+#[tokio::test]
+async fn pause_checks_wait_for_no_open_breaker() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder().connect(&server.url()).await.unwrap();
+    let per_hour = |limit| Quota::per_hour(limit).build().unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(Rule::new("a", per_hour(100)).unwrap())
+        .rule(Rule::new("b", per_hour(100)).unwrap())
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .unwrap();
+    let key = Key::new("partner");
+    assert!(!limiter.consume(&key, 1).await.unwrap().degraded);
+    server.pause();
+    for _ in 0..3 {
+        assert!(limiter.consume(&key, 1).await.unwrap().degraded);
+    }
+    let started = Instant::now();
+    assert_eq!(limiter.paused_for(&key).await, None);
+    assert!(limiter
+        .pause_at_least(&key, Duration::from_secs(1))
+        .await
+        .is_err());
+    let took = started.elapsed();
+    server.resume();
+    assert!(
+        took < Duration::from_millis(40),
+        "{took:?}: waited on an open breaker (a 50 ms deadline per rule)"
+    );
+}
+
 /// Repeated kill/restart cycles under load, bounded in time: every request answered within the
 /// deadline, no stuck requests, no growth.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -514,38 +514,50 @@ impl Limiter {
         self.pause_every_rule(key, pause, true).await
     }
 
-    /// Pause `key` under every rule, each within the deadline; `extend`: only where that is
-    /// longer than the pause in force.
+    /// Pause `key` under every rule, all within one deadline and each through its failure
+    /// domain's breaker (with the store away, an outbound call waits for nothing); `extend`:
+    /// only where that is longer than the pause in force.
     async fn pause_every_rule(
         &self,
         key: &Key,
         pause: Duration,
         extend: bool,
     ) -> Result<(), Error> {
-        let deadline = self.inner.deadline;
-        let store = &self.inner.store;
-        for rule in self.inner.rules.load_full().iter() {
+        let inner = &self.inner;
+        let deadline = Deadline::after(inner.deadline);
+        for rule in inner.rules.load_full().iter() {
             let call = if extend {
-                store.extend_pause(rule, key, pause)
+                inner.store.extend_pause(rule, key, pause)
             } else {
-                store.pause(rule, key, pause)
+                inner.store.pause(rule, key, pause)
             };
-            tokio::time::timeout(deadline, call)
+            let check = Check { rule, key, cost: 1 };
+            if inner
+                .call_store("pause", &[check], deadline, call)
                 .await
-                .map_err(|_| StoreError::Timeout(deadline))??;
+                .is_none()
+            {
+                return Err(Error::Store(if deadline.passed() {
+                    StoreError::Timeout(inner.deadline)
+                } else {
+                    StoreError::Connection("the store could not be reached to pause".into())
+                }));
+            }
         }
         Ok(())
     }
 
     /// How long `key` stays paused (the longest over its rules); `None` when it is not, or when
-    /// the store cannot say within the deadline (the decision that follows goes through the
-    /// outage policy anyway).
+    /// the store cannot say within the deadline (one for all the rules, each through its
+    /// breaker: the decision that follows goes through the outage policy anyway).
     pub async fn paused_for(&self, key: &Key) -> Option<Duration> {
+        let inner = &self.inner;
+        let deadline = Deadline::after(inner.deadline);
         let mut longest = None;
-        for rule in self.inner.rules.load_full().iter() {
-            let read =
-                tokio::time::timeout(self.inner.deadline, self.inner.store.paused_for(rule, key));
-            if let Ok(Ok(Some(left))) = read.await {
+        for rule in inner.rules.load_full().iter() {
+            let check = Check { rule, key, cost: 1 };
+            let read = inner.store.paused_for(rule, key);
+            if let Some(Some(left)) = inner.call_store("paused", &[check], deadline, read).await {
                 longest = longest.max(Some(left));
             }
         }
