@@ -181,6 +181,45 @@ async fn rediss_with_our_ca_and_mutual_tls() {
     assert!(consume(&known, "m").await.unwrap());
 }
 
+/// A CA given with Sentinel is a configuration error, against a live Sentinel that would
+/// otherwise be used: redis-rs cannot pass it to the master a Sentinel names, and the store
+/// once accepted it and reached that master without it.
+#[tokio::test]
+async fn a_ca_with_sentinel_is_refused_not_dropped() {
+    let pki = pki();
+    let master = RedisServer::start();
+    let sentinel = RedisServer::start_sentinel("fleet", master.port(), 1);
+    let url = sentinel.url();
+    let refused = RedisStore::builder()
+        .ca_certificate(pki.ca.clone())
+        .sentinel(&[&url], "fleet")
+        .await;
+    assert!(
+        matches!(
+            &refused,
+            Err(fleetlimit::Error::Config(
+                fleetlimit::ConfigError::Invalid {
+                    setting: "ca_certificate",
+                    ..
+                }
+            ))
+        ),
+        "{refused:?}"
+    );
+    let plain = RedisStore::builder()
+        .sentinel(&[&url], "fleet")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    while consume(&plain, "through-sentinel").await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the master is never found"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A master, a replica and three Sentinels. Under load, the master is killed: decisions follow
 /// the policy until the replica is promoted, then come from it, with no restart. Prints the
 /// recovery time and the counts lost to asynchronous replication.

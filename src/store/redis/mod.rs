@@ -451,20 +451,48 @@ impl RedisStoreBuilder {
     /// (`redis://host:26379`), `master` the name they monitor. The store follows a failover: when
     /// the master's connection fails (or it turned replica), the Sentinels are asked again. As
     /// [`connect`](Self::connect), unreachable Sentinels are not an error.
+    ///
+    /// With `rediss://` Sentinel URLs the master is reached over TLS too (verified against the
+    /// system's trust store; `#insecure` on the URLs skips verification for both). A
+    /// [`ca_certificate`](Self::ca_certificate) or client certificate is refused here: redis-rs
+    /// offers no way to give them for the nodes a Sentinel names, and accepting them would
+    /// connect without them.
     pub async fn sentinel<U: AsRef<str>>(
         self,
         sentinels: &[U],
         master: &str,
     ) -> Result<RedisStore, Error> {
         self.validate()?;
+        #[cfg(feature = "tls")]
+        if self.tls.is_some() {
+            return Err(ConfigError::Invalid {
+                setting: "ca_certificate",
+                reason: "a CA or client certificate cannot be used with Sentinel (redis-rs cannot \
+                         pass them to the master a Sentinel names); put the CA in the system's \
+                         trust store"
+                    .into(),
+            }
+            .into());
+        }
         let urls: Vec<&str> = sentinels.iter().map(AsRef::as_ref).collect();
+        // The master's link as secure as the Sentinels': redis-rs reaches the master it is
+        // told of in plain TCP unless told otherwise.
+        let tls = urls.iter().find(|u| u.starts_with("rediss://")).map(|u| {
+            if u.ends_with("#insecure") {
+                redis::TlsMode::Insecure
+            } else {
+                redis::TlsMode::Secure
+            }
+        });
+        let node = tls
+            .map(|mode| redis::sentinel::SentinelNodeConnectionInfo::default().set_tls_mode(mode));
         // redis-rs takes the name as a `String` without TLS and as `impl AsRef<str>` with it.
         #[cfg(not(feature = "tls"))]
         let master = master.to_owned();
         let client = redis::sentinel::SentinelClient::build(
             urls,
             master,
-            None,
+            node,
             redis::sentinel::SentinelServerType::Master,
         )
         .map_err(|e| ConfigError::Invalid {
