@@ -213,13 +213,33 @@ impl Policy {
 /// `quota` divided between `servers`: limit and burst, at least 1 each, the same algorithm
 /// with the same settings (a sliding window's sub-windows and estimate: a `Bounded` window
 /// must stay bounded in an outage).
+///
+/// A bucket's share can miss the 2^50 bound its whole quota meets (dividing the limit changes the
+/// units a token is counted in): the share is then rounded down, to whole tens, hundreds and so
+/// on, until it fits; a little less than a fair share, never a valid rule refused.
 fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
-    let mut b = Quota::new((quota.limit() / servers).max(1), quota.period())
+    let exact = share_of(quota, servers, 1);
+    let mut round = 10u64;
+    let mut answer = exact.clone();
+    while matches!(answer, Err(ConfigError::Overflow { .. })) && round < quota.limit() / servers {
+        answer = share_of(quota, servers, round);
+        round = round.saturating_mul(10);
+    }
+    answer.or(exact)
+}
+
+/// [`share`]'s limit and burst rounded down to a multiple of `round` (at least 1 each).
+fn share_of(quota: &Quota, servers: u64, round: u64) -> Result<Quota, ConfigError> {
+    let part = |n: u64| {
+        let n = n / servers;
+        (n - n % round).max(1)
+    };
+    let mut b = Quota::new(part(quota.limit()), quota.period())
         .algorithm(quota.algorithm())
         .max_log_len(quota.limit());
     match quota.algorithm() {
         crate::Algorithm::TokenBucket | crate::Algorithm::Gcra => {
-            b = b.burst((quota.burst() / servers).max(1));
+            b = b.burst(part(quota.burst()));
         }
         crate::Algorithm::SlidingWindow => {
             b = b
@@ -326,6 +346,29 @@ mod tests {
         assert_eq!(half.limit(), 50);
         assert_eq!(half.sub_windows(), 1);
         assert_eq!(half.estimate(), crate::WindowEstimate::Bounded);
+    }
+
+    /// A valid bucket whose exact share would miss the 2^50 bound (its limit divided by 7 shares
+    /// no factor with a day in µs) gets a share rounded down a little, not a refused rule.
+    #[test]
+    fn a_large_buckets_share_is_rounded_not_refused() {
+        let day = Quota::per_day(86_400_000)
+            .algorithm(Algorithm::TokenBucket)
+            .build()
+            .unwrap();
+        assert!(matches!(
+            share_of(&day, 7, 1),
+            Err(ConfigError::Overflow { .. })
+        ));
+        let shared = share(&day, 7).unwrap();
+        let fair = 86_400_000 / 7;
+        assert!(
+            shared.limit() <= fair && shared.limit() * 1000 >= fair * 999,
+            "{shared:?}"
+        );
+        assert_eq!(shared.burst(), shared.limit());
+        let r = Rule::new("d", day).unwrap();
+        assert!(Policy::resolve(OnStoreError::LocalShare(7), &[r], &clock()).is_ok());
     }
 
     #[test]
