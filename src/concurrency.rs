@@ -444,8 +444,9 @@ impl std::fmt::Debug for Slot {
 
 impl Slot {
     /// A slot the store holds: one task renews it while it lives and, told by the drop, gives
-    /// it back, so a renewal can never land after the release (a late renewal would hold the
-    /// slot again, for a ttl, for nobody).
+    /// it back after any renewal it has sent, so a late renewal does not hold the slot again,
+    /// for a ttl, for nobody. (One exception: a renewal abandoned at its timeout on a pooled
+    /// or Sentinel connection, which is then replaced, can still land after the release.)
     fn held(limiter: Arc<Inner>, key: Key, id: u64) -> Slot {
         let renewal = tokio::runtime::Handle::try_current().ok().map(|runtime| {
             let (limiter, key) = (limiter.clone(), key.clone());

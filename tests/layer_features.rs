@@ -581,6 +581,20 @@ async fn a_per_address_scope_without_a_peer_address_is_a_server_error() {
     for n in 0..3 {
         assert_eq!(send(&skipped, n).await.unwrap().status(), StatusCode::OK);
     }
+    // A layer told to skip requests without a key (a Unix socket) skips the scope too.
+    let limiter = memory_limiter(vec![rule("per-key", 100), rule("per-ip", 1)]);
+    let layer_skips = app(RateLimitLayer::builder(limiter)
+        .key(key::header("x-api-key"))
+        .on_missing_key(MissingKey::Skip)
+        .scope("per-ip", Scope::new().key_by_peer())
+        .build()
+        .unwrap());
+    for n in 0..3 {
+        assert_eq!(
+            send(&layer_skips, n).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
 }
 
 #[tokio::test]

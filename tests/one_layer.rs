@@ -816,6 +816,29 @@ async fn a_body_the_handler_accepts_always_has_its_key() {
             _ => assert_eq!(h(&r, "grpc-status").as_deref(), Some("8"), "one bucket"),
         }
     }
+    // A rule told to reject requests without the key rejects them (INVALID_ARGUMENT).
+    let strict_limiter = self::limiter(vec![rule("login-account", 100)]);
+    let strict = Router::new()
+        .route("/login", post(|| async { StatusCode::UNAUTHORIZED }))
+        .layer(
+            RateLimitLayer::builder(strict_limiter)
+                .scope(
+                    "login-account",
+                    Scope::new()
+                        .key(key::json_field("account"))
+                        .on_missing_key(MissingKey::Reject),
+                )
+                .build()
+                .unwrap(),
+        )
+        .layer(BufferBodyLayer::new(4096));
+    let body = br#"{"account":"grpc-3","password":"guess"}"#.to_vec();
+    let r = send_body(&strict, Method::POST, "/login", &headers, body).await;
+    assert_eq!(
+        h(&r, "grpc-status").as_deref(),
+        Some("3"),
+        "rejected, not shared"
+    );
 }
 
 /// axum's `Form` reads any content type that starts with `application/x-www-form-urlencoded`

@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleetlimit::store::{Check, Op, RedisStore, Refund, Store};
-use fleetlimit::{Algorithm, Clock, Decision, Key, ManualClock, MemoryStore, Quota, Rule, Taken};
+use fleetlimit::{
+    Algorithm, Clock, Decision, Key, Limiter, ManualClock, MemoryStore, OnStoreError, Quota, Rule,
+    Taken,
+};
 use support::redis::{RedisCluster, RedisServer, RespValue};
 
 /// A store with a deadline generous enough for a loaded 2-core CI machine.
@@ -1241,4 +1244,111 @@ async fn a_reconnect_through_a_hung_master_goes_on_in_the_background() {
         "a key on the healthy master still follows the outage policy after {:?}",
         started.elapsed()
     );
+}
+
+/// One slot moved by hand, step by step, under a key with a state, a pause and a concurrency
+/// slot: the plain commands and small scripts follow ASK while the slot migrates and MOVED once
+/// it has (they answered the redirection as an error, and fail-closed callers were refused);
+/// decisions are made on Redis in every phase, though the key's listing key (which does not
+/// exist, so never moves) makes Redis answer TRYAGAIN to a call with both until the end.
+#[tokio::test]
+async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
+    use fleetlimit::concurrency::{Acquired, ConcurrencyLimiter};
+    let cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let rule = Rule::new("moved", Quota::per_minute(10).build().unwrap()).unwrap();
+    let limiter = Limiter::builder(store.clone())
+        .rule(rule.clone())
+        .on_store_error(OnStoreError::fail_closed())
+        .build()
+        .unwrap();
+    let slots = ConcurrencyLimiter::builder(store.clone(), "in-flight", 5)
+        .on_store_error(OnStoreError::fail_closed())
+        .build()
+        .unwrap();
+    let key = Key::new("mover");
+    let slot = fleetlimit::store::redis::slot(&store.key_for(&rule, &key));
+    let from = cluster.node_for_slot(slot);
+    let to = (from + 1) % cluster.nodes().len();
+    // The store learns the slot map with a first call, and the key has a state.
+    limiter.pause(&key, Duration::from_millis(1)).await.unwrap();
+    let decided = |phase: &'static str| {
+        let limiter = limiter.clone();
+        let key = key.clone();
+        async move {
+            let d = limiter.consume(&key, 1).await.unwrap();
+            assert!(d.allowed && !d.degraded, "{phase}: {d:?}");
+        }
+    };
+    decided("before").await;
+    // A deny-listed key on the same slot, under a limiter failing open: while the slot moves its
+    // listing is still read (or, when Redis cannot run the call, remembered), never dropped.
+    let open = Limiter::builder(store.clone())
+        .rule(rule.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .unwrap();
+    let denied = (0..100_000)
+        .map(|i| Key::new(format!("denied-{i}")))
+        .find(|k| fleetlimit::store::redis::slot(&store.key_for(&rule, k)) == slot)
+        .unwrap();
+    open.deny(&denied).await.unwrap();
+    let still_denied = |phase: &'static str| {
+        let (open, denied) = (open.clone(), denied.clone());
+        async move {
+            let d = open.consume(&denied, 1).await.unwrap();
+            assert!(!d.allowed, "{phase}: a deny-listed key admitted: {d:?}");
+        }
+    };
+    let node = |i: usize| &cluster.nodes()[i];
+    let id = |i: usize| {
+        let reply = node(i).cmd(&["CLUSTER", "MYID"]).unwrap();
+        reply.as_str().unwrap().to_owned()
+    };
+    let s = slot.to_string();
+    let ok = |reply: Result<RespValue, String>| {
+        let reply = reply.unwrap();
+        assert!(reply.as_error().is_none(), "{reply:?}");
+    };
+    ok(node(to).cmd(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &id(from)]));
+    ok(node(from).cmd(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &id(to)]));
+    decided("migrating, the state still on the source").await;
+    still_denied("migrating").await;
+    // Migrating: keys not on the source any more (none of these yet) are asked of the target.
+    limiter.pause(&key, Duration::from_secs(60)).await.unwrap();
+    assert!(limiter.paused_for(&key).await.is_some());
+    let held = slots.acquire(&key).await;
+    assert!(matches!(held, Acquired::Held(_)), "{held:?}");
+    // The rest of the slot's keys move, and every node is told the slot's new owner.
+    let keys = node(from)
+        .cmd(&["CLUSTER", "GETKEYSINSLOT", &s, "1000"])
+        .unwrap();
+    let keys: Vec<String> = keys
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_owned())
+        .collect();
+    if !keys.is_empty() {
+        let port = node(to).port().to_string();
+        let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+        migrate.extend(keys.iter().map(String::as_str));
+        ok(node(from).cmd(&migrate));
+    }
+    decided("migrating, the state moved").await;
+    still_denied("migrating, the keys moved").await;
+    for i in 0..cluster.nodes().len() {
+        ok(node(i).cmd(&["CLUSTER", "SETSLOT", &s, "NODE", &id(to)]));
+    }
+    // Moved: the store still names the old owner, and follows.
+    decided("moved").await;
+    still_denied("moved").await;
+    limiter.pause(&key, Duration::from_secs(60)).await.unwrap();
+    assert!(limiter.paused_for(&key).await.is_some());
+    let second = slots.acquire(&key).await;
+    assert!(matches!(second, Acquired::Held(_)), "{second:?}");
+    drop((held, second));
 }

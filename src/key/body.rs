@@ -18,8 +18,9 @@ use crate::ConfigError;
 /// The body must have been read by a [`BufferBodyLayer`](crate::layer::BufferBodyLayer)
 /// outside the rate-limit layer; without one, every request has no key (said once at `warn`).
 /// A gRPC call's body is a stream that layer leaves unread; gRPC calls with a JSON content type
-/// (`application/grpc+json`, which axum's `Json` also reads) share one bucket, the one of
-/// [`MissingKey::Shared`](crate::MissingKey::Shared), rather than skip the rule.
+/// (`application/grpc+json`, which axum's `Json` also reads) have no key, and where the scope
+/// would skip the rule for them they share one bucket, the one of
+/// [`MissingKey::Shared`](crate::MissingKey::Shared), instead.
 ///
 /// ```
 /// use fleetlimit::key::{json_field, KeyExtractor};
@@ -81,11 +82,8 @@ enum Field {
 impl KeyExtractor for BodyField {
     fn extract(&self, parts: &Parts) -> Option<Key> {
         let Some(body) = parts.extensions.get::<BufferedBody>() else {
-            if crate::layer::is_grpc(parts) && crate::layer::buffer::is_json(parts) {
-                // A gRPC call's body is a stream, never buffered; but a handler's JSON
-                // extractor reads one sent as `application/grpc+json`. Skipped, such a call
-                // would pass the rule unlimited: these share one bucket instead.
-                return Some(Key::keyless());
+            if self.unreadable(parts) {
+                return None;
             }
             if !self.warned.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
@@ -121,6 +119,15 @@ impl KeyExtractor for BodyField {
 
     fn chosen_by_client(&self) -> bool {
         true
+    }
+
+    /// A gRPC call's body is a stream, never buffered; but a handler's JSON extractor reads one
+    /// sent as `application/grpc+json`. Skipped, such a call would pass the rule unlimited.
+    fn unreadable(&self, parts: &Parts) -> bool {
+        matches!(self.field, Field::Json { .. })
+            && parts.extensions.get::<BufferedBody>().is_none()
+            && crate::layer::is_grpc(parts)
+            && crate::layer::buffer::is_json(parts)
     }
 }
 

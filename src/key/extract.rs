@@ -31,6 +31,15 @@ pub trait KeyExtractor: Send + Sync + 'static {
         false
     }
 
+    /// Whether this request carries the key where this extractor cannot read it (a gRPC
+    /// call's body, a stream never buffered): a rule that skips requests without a key would
+    /// let such a one through unlimited, so it shares the keyless bucket instead (see
+    /// [`MissingKey::Skip`](crate::MissingKey::Skip)). Asked only when
+    /// [`extract`](KeyExtractor::extract) found nothing.
+    fn unreadable(&self, _parts: &Parts) -> bool {
+        false
+    }
+
     /// Whether this extractor keys by client address.
     fn per_address(&self) -> bool {
         false

@@ -125,11 +125,12 @@ impl Config {
                 continue; // this rule charges nothing for this request
             }
             // A scope keyed by address misses its key only when the server records no peer
-            // address: a misconfiguration, answered as the layer's own key would be (500, and
-            // an error logged), never a rule silently skipped for every request.
+            // address: a misconfiguration, answered as the layer's own key would be (by
+            // default 500, and an error logged), never a rule silently skipped for every
+            // request.
             let own_missing = |per_address: bool| match (scope.missing_key, per_address) {
                 (Some(missing), _) => (missing, per_address),
-                (None, true) => (MissingKey::Reject, true),
+                (None, true) => (self.missing_key, true),
                 (None, false) => (MissingKey::Skip, false),
             };
             let (key, (missing, no_peer)) = match &scope.key {
@@ -150,9 +151,11 @@ impl Config {
                     (scope.missing_key.unwrap_or(self.missing_key), true),
                 ),
             };
+            let unreadable = || scope.key.as_ref().is_some_and(|e| e.unreadable(parts));
             let key = match (key, missing) {
                 (Some(key), _) => key,
                 (None, MissingKey::Shared) => Key::keyless(),
+                (None, MissingKey::Skip) if unreadable() => Key::keyless(),
                 (None, MissingKey::Skip) => {
                     tracing::debug!(
                         rule = self.limiter.rules().get(i).map_or("?", |r| r.name()),

@@ -53,7 +53,7 @@ pub struct Scope {
     /// The key is the client's address as the layer's [`PeerIp`](crate::key::PeerIp) reads it
     /// (see [`Scope::key_by_peer`]); `key` then holds a default `PeerIp` for the layer's checks.
     pub(crate) by_layer_peer: bool,
-    /// `None`: `Skip` for the scope's own key (`Reject` with a 500 for an address key: see
+    /// `None`: `Skip` for the scope's own key (the layer's setting for an address key: see
     /// [`Scope::on_missing_key`]), the layer's setting for the layer's key.
     pub(crate) missing_key: Option<MissingKey>,
     pub(crate) cost: Option<CostFn>,
@@ -335,10 +335,11 @@ impl Scope {
     /// from the client, so a missing one is never a server error: [`MissingKey::Reject`]
     /// answers `400 Bad Request`. An address key ([`key_by_peer`](Scope::key_by_peer),
     /// `key(PeerIp)`) is the exception: it is missing only when the server records no peer
-    /// address, a misconfiguration, so by default the request is answered `500` with an error
-    /// logged, as a layer keyed by address does (set `Skip` to serve such requests unlimited by
-    /// this rule, on a Unix socket say). For a scope on the layer's key, this replaces the
-    /// layer's setting for this rule.
+    /// address, a misconfiguration, so by default the request gets the layer's own answer
+    /// ([`RateLimitLayerBuilder::on_missing_key`](super::RateLimitLayerBuilder::on_missing_key):
+    /// `500` with an error logged, unless set otherwise), and `Reject` here answers `500` too
+    /// (set `Skip` to serve such requests unlimited by this rule, on a Unix socket say). For a
+    /// scope on the layer's key, this replaces the layer's setting for this rule.
     pub fn on_missing_key(mut self, missing: MissingKey) -> Scope {
         self.missing_key = Some(missing);
         self

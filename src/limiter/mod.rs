@@ -514,9 +514,9 @@ impl Limiter {
         self.pause_every_rule(key, pause, true).await
     }
 
-    /// Pause `key` under every rule, all within one deadline and each through its failure
-    /// domain's breaker (with the store away, an outbound call waits for nothing); `extend`:
-    /// only where that is longer than the pause in force.
+    /// Pause `key` under every rule, each within the deadline and through its failure domain's
+    /// breaker (with the store away and the breaker open, an outbound call waits for nothing);
+    /// `extend`: only where that is longer than the pause in force.
     async fn pause_every_rule(
         &self,
         key: &Key,
@@ -524,8 +524,8 @@ impl Limiter {
         extend: bool,
     ) -> Result<(), Error> {
         let inner = &self.inner;
-        let deadline = Deadline::after(inner.deadline);
         for rule in inner.rules.load_full().iter() {
+            let deadline = Deadline::after(inner.deadline);
             let call = if extend {
                 inner.store.extend_pause(rule, key, pause)
             } else {
@@ -548,13 +548,13 @@ impl Limiter {
     }
 
     /// How long `key` stays paused (the longest over its rules); `None` when it is not, or when
-    /// the store cannot say within the deadline (one for all the rules, each through its
-    /// breaker: the decision that follows goes through the outage policy anyway).
+    /// the store cannot say within the deadline (each rule through its breaker: the decision
+    /// that follows goes through the outage policy anyway).
     pub async fn paused_for(&self, key: &Key) -> Option<Duration> {
         let inner = &self.inner;
-        let deadline = Deadline::after(inner.deadline);
         let mut longest = None;
         for rule in inner.rules.load_full().iter() {
+            let deadline = Deadline::after(inner.deadline);
             let check = Check { rule, key, cost: 1 };
             let read = inner.store.paused_for(rule, key);
             if let Some(Some(left)) = inner.call_store("paused", &[check], deadline, read).await {

@@ -215,8 +215,9 @@ impl Policy {
 /// must stay bounded in an outage).
 ///
 /// A bucket's share can miss the 2^50 bound its whole quota meets (dividing the limit changes the
-/// units a token is counted in): the share is then rounded down, to whole tens, hundreds and so
-/// on, until it fits; a little less than a fair share, never a valid rule refused.
+/// units a token is counted in): the share's limit is then rounded down, to whole tens,
+/// hundreds and so on, until it fits (its burst stays the fair share); a little less than a
+/// fair share, never a valid rule refused.
 fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
     let exact = share_of(quota, servers, 1);
     let mut round = 10u64;
@@ -228,13 +229,12 @@ fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
     answer.or(exact)
 }
 
-/// [`share`]'s limit and burst rounded down to a multiple of `round` (at least 1 each).
+/// [`share`]'s limit rounded down to a multiple of `round`, its burst the fair share (at least
+/// 1 each).
 fn share_of(quota: &Quota, servers: u64, round: u64) -> Result<Quota, ConfigError> {
-    let part = |n: u64| {
-        let n = n / servers;
-        (n - n % round).max(1)
-    };
-    let mut b = Quota::new(part(quota.limit()), quota.period())
+    let part = |n: u64| (n / servers).max(1);
+    let limit = quota.limit() / servers;
+    let mut b = Quota::new((limit - limit % round).max(1), quota.period())
         .algorithm(quota.algorithm())
         .max_log_len(quota.limit());
     match quota.algorithm() {
@@ -366,7 +366,7 @@ mod tests {
             shared.limit() <= fair && shared.limit() * 1000 >= fair * 999,
             "{shared:?}"
         );
-        assert_eq!(shared.burst(), shared.limit());
+        assert_eq!(shared.burst(), fair, "the burst stays the fair share");
         let r = Rule::new("d", day).unwrap();
         assert!(Policy::resolve(OnStoreError::LocalShare(7), &[r], &clock()).is_ok());
     }

@@ -453,7 +453,7 @@ impl RedisStoreBuilder {
     /// [`connect`](Self::connect), unreachable Sentinels are not an error.
     ///
     /// With `rediss://` Sentinel URLs the master is reached over TLS too (verified against the
-    /// system's trust store; `#insecure` on the URLs skips verification for both). A
+    /// system's trust store). A
     /// [`ca_certificate`](Self::ca_certificate) or client certificate is refused here: redis-rs
     /// offers no way to give them for the nodes a Sentinel names, and accepting them would
     /// connect without them.
@@ -477,15 +477,11 @@ impl RedisStoreBuilder {
         let urls: Vec<&str> = sentinels.iter().map(AsRef::as_ref).collect();
         // The master's link as secure as the Sentinels': redis-rs reaches the master it is
         // told of in plain TCP unless told otherwise.
-        let tls = urls.iter().find(|u| u.starts_with("rediss://")).map(|u| {
-            if u.ends_with("#insecure") {
-                redis::TlsMode::Insecure
-            } else {
-                redis::TlsMode::Secure
-            }
+        let tls = urls.iter().any(|u| u.starts_with("rediss://"));
+        let node = tls.then(|| {
+            redis::sentinel::SentinelNodeConnectionInfo::default()
+                .set_tls_mode(redis::TlsMode::Secure)
         });
-        let node = tls
-            .map(|mode| redis::sentinel::SentinelNodeConnectionInfo::default().set_tls_mode(mode));
         // redis-rs takes the name as a `String` without TLS and as `impl AsRef<str>` with it.
         #[cfg(not(feature = "tls"))]
         let master = master.to_owned();
@@ -865,6 +861,26 @@ async fn send(
         })
 }
 
+/// Whether any of `keys` (of one slot) exists, each asked alone so that it follows its own
+/// redirection; an answer that is not a clear "no" counts as yes.
+async fn any_exists(conn: &ClusterConnection, keys: &[Vec<u8>]) -> bool {
+    for key in keys {
+        let mut cmd = redis::cmd("EXISTS");
+        cmd.arg(key);
+        let mut conn = conn.clone();
+        let first = cmd.query_async::<redis::Value>(&mut conn).await;
+        let again = |mut conn: ClusterConnection, node, asking| {
+            let cmd = cmd.clone();
+            async move { send(&mut conn, &node, asking, cmd).await }
+        };
+        let answer = follow_redirections(&mut conn, slot(key), false, first, again).await;
+        if !matches!(answer, Ok(redis::Value::Int(0))) {
+            return true;
+        }
+    }
+    false
+}
+
 /// The slot a plain command or small script runs on: its first key (after the hash and the
 /// key count of `EVAL`/`EVALSHA`).
 fn command_slot(cmd: &redis::Cmd) -> u16 {
@@ -1027,16 +1043,19 @@ impl Inner {
                 let again = |conn, node, asking| run_on(conn, node, asking, hash, &keys, &args);
                 // While a slot migrates, Redis refuses a call on several keys of which some
                 // have moved and some have not (TRYAGAIN) until the migration ends, and a
-                // listing key, which almost never exists, never moves. Decided without the
-                // listings (the states alone move as one) rather than by the outage policy,
-                // and at once: waiting for the migration would spend the deadline.
+                // listing key, which almost never exists, never moves. When none of the keys
+                // is listed (asked one by one, each following its redirection), the states
+                // alone are decided, at once (waiting for the migration would spend the
+                // deadline); a listed key's request stays refused to the policy, which knows
+                // the listings this process has seen.
                 let listings = op != "refund";
                 let mut result =
                     follow_redirections(&mut conn, slot, listings, result, again).await;
                 let try_again = |r: &Result<Vec<i64>, RedisError>| {
                     r.as_ref().is_err_and(|e| e.code() == Some("TRYAGAIN"))
                 };
-                if listings && try_again(&result) {
+                if listings && try_again(&result) && !any_exists(&conn, &keys[checks.len()..]).await
+                {
                     let states = &keys[..checks.len()];
                     tracing::debug!(
                         slot,
