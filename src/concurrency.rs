@@ -803,26 +803,32 @@ mod tests {
         }
     }
 
+    /// A limit of one slot at the default ttl, failing closed, on a memory store (on paused
+    /// tokio time) whose first `lost` renewals are never answered; and the store.
+    fn losing_renewals(lost: u32) -> (ConcurrencyLimiter, MemoryStore) {
+        let store = MemoryStore::builder()
+            .clock(TokioClock(tokio::time::Instant::now()))
+            .build()
+            .unwrap();
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::ZERO,
+            lost_renewals: lost.into(),
+        };
+        let limiter = ConcurrencyLimiter::builder(link, "in-flight", 1)
+            .on_store_error(OnStoreError::fail_closed())
+            .build()
+            .unwrap();
+        (limiter, store)
+    }
+
     /// One renewal lost: the next try comes soon enough that the slot never lapses, and a
     /// second request is still refused after the first ttl has passed.
     #[tokio::test(start_paused = true)]
     async fn a_lost_renewal_is_tried_again_before_the_slot_expires() {
-        let store = crate::store::testing::Link {
-            store: MemoryStore::builder()
-                .clock(TokioClock(tokio::time::Instant::now()))
-                .build()
-                .unwrap(),
-            delay: Duration::ZERO,
-            lost_renewals: 1.into(),
-        };
         // The default ttl (5 s): renewals every 1.67 s, a lost one retried 0.5 s later.
         let ttl = DEFAULT_SLOT_TTL;
-        let limiter = ConcurrencyLimiter::builder(store, "in-flight", 1)
-            .on_store_error(OnStoreError::FailClosed {
-                retry_after: Duration::from_secs(1),
-            })
-            .build()
-            .unwrap();
+        let (limiter, _) = losing_renewals(1);
         let key = Key::new("tenant");
         let held = limiter.acquire(&key).await;
         assert!(matches!(held, Acquired::Held(_)));
@@ -843,21 +849,9 @@ mod tests {
     /// lasts. Dropped, the slot is given back by the task that renewed it.
     #[tokio::test(start_paused = true)]
     async fn a_slot_the_store_lost_is_held_again() {
-        let store = MemoryStore::builder()
-            .clock(TokioClock(tokio::time::Instant::now()))
-            .build()
-            .unwrap();
         // At the default ttl (5 s) renewals come at 1.67 s, then a lost one is retried 0.5 s
         // after its 0.5 s timeout: four lost ones go up to 5.67 s, past the slot's expiry at 5.
-        let link = crate::store::testing::Link {
-            store: store.clone(),
-            delay: Duration::ZERO,
-            lost_renewals: 4.into(),
-        };
-        let limiter = ConcurrencyLimiter::builder(link, "in-flight", 1)
-            .on_store_error(OnStoreError::fail_closed())
-            .build()
-            .unwrap();
+        let (limiter, store) = losing_renewals(4);
         let key = Key::new("tenant");
         let held = limiter.acquire(&key).await;
         assert!(matches!(held, Acquired::Held(_)));

@@ -39,6 +39,43 @@ fn slow_app(handler_ms: u64) -> Router {
     )
 }
 
+/// Handlers that say when a request arrives and then wait for a permit of `Gate::open`: every
+/// admitted request holds what it holds until the test lets it go.
+struct Gate {
+    permits: Arc<tokio::sync::Semaphore>,
+    arrived: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+impl Gate {
+    /// A gate, and the arrivals at its handlers.
+    fn new() -> (Gate, tokio::sync::mpsc::UnboundedReceiver<()>) {
+        let (arrived, arrivals) = tokio::sync::mpsc::unbounded_channel();
+        let permits = Arc::new(tokio::sync::Semaphore::new(0));
+        (Gate { permits, arrived }, arrivals)
+    }
+
+    /// A router whose one handler waits at this gate.
+    fn app(&self) -> Router {
+        let (permits, arrived) = (self.permits.clone(), self.arrived.clone());
+        Router::new().route(
+            "/",
+            get(move || {
+                let (permits, arrived) = (permits.clone(), arrived.clone());
+                async move {
+                    let _ = arrived.send(());
+                    let _ = permits.acquire().await;
+                    "ok"
+                }
+            }),
+        )
+    }
+
+    /// Let `n` waiting handlers answer.
+    fn open(&self, n: usize) {
+        self.permits.add_permits(n);
+    }
+}
+
 #[derive(Default)]
 struct Tally {
     ok: AtomicU64,
@@ -171,8 +208,7 @@ async fn critical_requests_get_through_an_overload_and_recovery_is_gradual() {
 #[tokio::test]
 async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
     let redis = RedisServer::start();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let (arrived, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (gate, mut arrivals) = Gate::new();
     let mut apps = Vec::new();
     for _ in 0..2 {
         let store = RedisStore::connect(&redis.url()).await.unwrap();
@@ -181,17 +217,8 @@ async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
             .deadline(Duration::from_secs(2))
             .build()
             .unwrap();
-        let (gate, arrived) = (gate.clone(), arrived.clone());
-        let handler = move || {
-            let (gate, arrived) = (gate.clone(), arrived.clone());
-            async move {
-                let _ = arrived.send(());
-                let _ = gate.acquire().await;
-                "ok"
-            }
-        };
         apps.push(
-            Router::new().route("/", get(handler)).layer(
+            gate.app().layer(
                 LoadShedLayer::builder(classify)
                     .fleet(FleetUsage::new(slots))
                     .build()
@@ -238,7 +265,7 @@ async fn the_fleet_budget_keeps_a_share_for_critical_traffic() {
             }
         }
     }
-    gate.add_permits(admitted.len());
+    gate.open(admitted.len());
     for task in admitted {
         assert_eq!(task.await.unwrap().0, StatusCode::OK);
     }
@@ -310,27 +337,13 @@ async fn in_an_outage_the_local_slots_keep_the_priorities_shares() {
         .deadline(Duration::from_millis(200))
         .build()
         .unwrap();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let (arrived, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let handler_gate = gate.clone();
-    let app = Router::new()
-        .route(
-            "/",
-            get(move || {
-                let (gate, arrived) = (handler_gate.clone(), arrived.clone());
-                async move {
-                    let _ = arrived.send(());
-                    let _ = gate.acquire().await;
-                    "ok"
-                }
-            }),
-        )
-        .layer(
-            LoadShedLayer::builder(classify)
-                .fleet(FleetUsage::new(slots))
-                .build()
-                .unwrap(),
-        );
+    let (gate, mut arrivals) = Gate::new();
+    let app = gate.app().layer(
+        LoadShedLayer::builder(classify)
+            .fleet(FleetUsage::new(slots))
+            .build()
+            .unwrap(),
+    );
     redis.kill();
     let call = |priority: &'static str| {
         let app = app.clone();
@@ -356,7 +369,7 @@ async fn in_an_outage_the_local_slots_keep_the_priorities_shares() {
     let critical = tokio::spawn(call("critical"));
     let entered = tokio::time::timeout(Duration::from_secs(5), arrivals.recv()).await;
     assert!(entered.is_ok(), "the critical request gets a slot");
-    gate.add_permits(2);
+    gate.open(2);
     assert_eq!(critical.await.unwrap(), StatusCode::OK);
     assert_eq!(first.await.unwrap(), StatusCode::OK);
 }
@@ -369,27 +382,13 @@ async fn a_client_keyed_fleet_never_holds_the_fleet_budget() {
     let slots = ConcurrencyLimiter::builder(MemoryStore::new(), "in-flight", 1)
         .build()
         .unwrap();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let (arrived, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let handler_gate = gate.clone();
-    let per_client = Router::new()
-        .route(
-            "/",
-            get(move || {
-                let (gate, arrived) = (handler_gate.clone(), arrived.clone());
-                async move {
-                    let _ = arrived.send(());
-                    let _ = gate.acquire().await;
-                    "ok"
-                }
-            }),
-        )
-        .layer(
-            ConcurrencyLimitLayer::builder(slots.clone())
-                .key(key::header("x-api-key"))
-                .build()
-                .unwrap(),
-        );
+    let (gate, mut arrivals) = Gate::new();
+    let per_client = gate.app().layer(
+        ConcurrencyLimitLayer::builder(slots.clone())
+            .key(key::header("x-api-key"))
+            .build()
+            .unwrap(),
+    );
     let fleet = slow_app(0).layer(
         LoadShedLayer::builder(classify)
             .fleet(FleetUsage::new(slots))
@@ -408,6 +407,6 @@ async fn a_client_keyed_fleet_never_holds_the_fleet_budget() {
         .unwrap();
     let r = fleet.oneshot(req).await.unwrap();
     assert_eq!(r.status(), StatusCode::OK, "the budget's slot is free");
-    gate.add_permits(1);
+    gate.open(1);
     assert_eq!(held.await.unwrap().unwrap().status(), StatusCode::OK);
 }
