@@ -163,8 +163,8 @@ impl Entry {
     /// every alternate request.
     fn is_for(&self, check: &Check<'_>) -> bool {
         self.rule == check.rule.name_id()
-            && self.state.fits(check.rule.quota())
             && self.key == *check.key
+            && self.state.fits(check.rule.quota())
     }
 
     /// Decide a consume on a state [`Shard::held`] found, then take the permits or put the state
