@@ -383,6 +383,9 @@ async fn slots_redis_lost_are_held_again_by_their_renewals() {
             1,
         )
         .on_store_error(OnStoreError::fail_closed())
+        // The renewal at the default ttl is under test, not the deadline: a loaded machine
+        // must not turn an acquisition into an outage.
+        .deadline(Duration::from_secs(2))
         .build()
         .unwrap()
     };

@@ -1260,13 +1260,17 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
         .await
         .unwrap();
     let rule = Rule::new("moved", Quota::per_minute(10).build().unwrap()).unwrap();
+    // Long deadlines: the redirections are under test, not the deadline, and a phase takes a
+    // few round trips that a loaded machine could stretch past the 50 ms default.
     let limiter = Limiter::builder(store.clone())
         .rule(rule.clone())
         .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
         .build()
         .unwrap();
     let slots = ConcurrencyLimiter::builder(store.clone(), "in-flight", 5)
         .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
         .build()
         .unwrap();
     let key = Key::new("mover");
@@ -1289,6 +1293,7 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     let open = Limiter::builder(store.clone())
         .rule(rule.clone())
         .on_store_error(OnStoreError::FailOpen)
+        .deadline(Duration::from_secs(2))
         .build()
         .unwrap();
     let denied = (0..100_000)
