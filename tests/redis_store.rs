@@ -1288,6 +1288,19 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
         }
     };
     decided("before").await;
+    // A refund while the slot moves: its once key never exists before it, so never moves.
+    let refunded = |phase: &'static str| {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        async move {
+            let (d, receipt) = limiter.consume_with_receipt(&key, 1).await.unwrap();
+            assert!(d.allowed && !d.degraded, "{phase}: {d:?}");
+            let left = limiter.peek(&key).await.unwrap().remaining;
+            let back = limiter.refund(receipt.unwrap()).await;
+            assert!(back.is_ok(), "{phase}: the refund failed: {back:?}");
+            let now = limiter.peek(&key).await.unwrap().remaining;
+            assert_eq!(now, left + 1, "{phase}: the permit is back");
+        }
+    };
     // A deny-listed key on the same slot, under a limiter failing open: while the slot moves its
     // listing is still read (or, when Redis cannot run the call, remembered), never dropped.
     let open = Limiter::builder(store.clone())
@@ -1322,6 +1335,7 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     ok(node(from).cmd(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &id(to)]));
     decided("migrating, the state still on the source").await;
     still_denied("migrating").await;
+    refunded("migrating").await;
     // Migrating: keys not on the source any more (none of these yet) are asked of the target.
     limiter.pause(&key, Duration::from_secs(60)).await.unwrap();
     assert!(limiter.paused_for(&key).await.is_some());
@@ -1345,6 +1359,7 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     }
     decided("migrating, the state moved").await;
     still_denied("migrating, the keys moved").await;
+    refunded("migrating, the keys moved").await;
     for i in 0..cluster.nodes().len() {
         ok(node(i).cmd(&["CLUSTER", "SETSLOT", &s, "NODE", &id(to)]));
     }

@@ -13,7 +13,8 @@
 -- is the longest validity (µs).
 -- For 'refund', the last key (after the checks' keys, in their slot) is the call's once key: a
 -- refund sent again (a client resends a call after its connection broke, not knowing whether it
--- ran) answers what the first answered and gives nothing back twice.
+-- ran) answers what the first answered and gives nothing back twice. A refund sent again after
+-- an answer that says it did not run (TRYAGAIN on a migrating slot) comes without it.
 -- Returns 6 integers per check: allowed (1/0), limit, remaining, reset after (µs), retry after
 -- (µs, -1 when none), and where the permits were taken (the receipt's anchor, -1 when nothing
 -- was taken; -2 or below when the key's listing decided: see listed_anchor); for 'lease', then
@@ -34,7 +35,7 @@ local with_listings = op ~= 'refund' and #KEYS >= 2 * nchecks
 local DENY_WAIT_US = 86400000000
 if op == 'refund' then
   once = KEYS[nchecks + 1]
-  local answered = redis.call('GET', once)
+  local answered = once and redis.call('GET', once)
   if answered then
     local replay = {}
     for v in string.gmatch(answered, '[^,]+') do replay[#replay + 1] = tonumber(v) end
@@ -165,7 +166,7 @@ if op == 'refund' then
   end
   local answer = {}
   for j, v in ipairs(out) do answer[j] = string.format('%d', v) end
-  redis.call('SET', once, table.concat(answer, ','), 'PX', ONCE_TTL_MS)
+  if once then redis.call('SET', once, table.concat(answer, ','), 'PX', ONCE_TTL_MS) end
   return out
 end
 

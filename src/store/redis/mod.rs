@@ -1042,24 +1042,25 @@ impl Inner {
                 let slot = keys.first().map_or(0, |k| slot(k));
                 let again = |conn, node, asking| run_on(conn, node, asking, hash, &keys, &args);
                 // While a slot migrates, Redis refuses a call on several keys of which some
-                // have moved and some have not (TRYAGAIN) until the migration ends, and a
-                // listing key, which almost never exists, never moves. When none of the keys
-                // is listed (asked one by one, each following its redirection), the states
-                // alone are decided, at once (waiting for the migration would spend the
-                // deadline); a listed key's request stays refused to the policy, which knows
-                // the listings this process has seen.
-                let listings = op != "refund";
-                let mut result =
-                    follow_redirections(&mut conn, slot, listings, result, again).await;
+                // have moved and some have not (TRYAGAIN) until the migration ends, and the
+                // keys after the states (a listing key, a refund's once key) almost never exist,
+                // so never move. The states alone are then sent, at once (waiting for the
+                // migration would spend the deadline): a refund's always (TRYAGAIN says the
+                // call did not run, so there is nothing to send twice), a decision's when none
+                // of its keys is listed (asked one by one, each following its redirection); a
+                // listed key's request stays with the policy, which knows the listings this
+                // process has seen.
+                let mut result = follow_redirections(&mut conn, slot, true, result, again).await;
                 let try_again = |r: &Result<Vec<i64>, RedisError>| {
                     r.as_ref().is_err_and(|e| e.code() == Some("TRYAGAIN"))
                 };
-                if listings && try_again(&result) && !any_exists(&conn, &keys[checks.len()..]).await
-                {
+                let unmoved = &keys[checks.len()..];
+                if try_again(&result) && (op == "refund" || !any_exists(&conn, unmoved).await) {
                     let states = &keys[..checks.len()];
                     tracing::debug!(
                         slot,
-                        "fleetlimit: cluster slot migrating; deciding without the listings"
+                        op,
+                        "fleetlimit: cluster slot migrating; sending the states alone"
                     );
                     let again =
                         |conn, node, asking| run_on(conn, node, asking, hash, states, &args);
