@@ -380,6 +380,60 @@ async fn a_dead_cluster_master_only_degrades_its_own_keys() {
     assert!(dead_degraded > 0);
 }
 
+/// A cluster master hangs (SIGSTOP), and requests spray over 300 keys on 300 of its slots, at
+/// the defaults: the breaker is the master's, so after a few failures on any of its slots the
+/// policy decides at in-memory speed, with one probe per cool-down. (With a breaker per slot,
+/// each slot paid three deadlines before its own breaker opened, and every one probed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_masters_slots_share_one_breaker() {
+    let cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let r = rule(1_000_000);
+    let limiter = Limiter::builder(store.clone())
+        .rule(r.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .unwrap();
+    let hung = 0;
+    let mut slots = std::collections::HashSet::new();
+    let keys: Vec<Key> = (0..100_000)
+        .map(|i| Key::new(format!("spray-{i}")))
+        .filter(|k| {
+            let slot = fleetlimit::store::redis::slot(&store.key_for(&r, k));
+            cluster.node_for_slot(slot) == hung && slots.insert(slot)
+        })
+        .take(300)
+        .collect();
+    assert_eq!(keys.len(), 300);
+    assert!(!limiter.consume(&keys[0], 1).await.unwrap().degraded);
+    cluster.nodes()[hung].pause();
+    let (mut decisions, mut slow) = (0, 0);
+    let started = Instant::now();
+    for k in keys.iter().cycle() {
+        let elapsed = started.elapsed();
+        if elapsed > Duration::from_millis(1_500) {
+            break;
+        }
+        let asked = Instant::now();
+        let d = limiter.consume(k, 1).await.unwrap();
+        assert!(d.allowed, "fail open");
+        // The first half second lets the breaker open; then count.
+        if elapsed > Duration::from_millis(500) {
+            decisions += 1;
+            slow += u32::from(asked.elapsed() >= Duration::from_millis(40));
+        }
+    }
+    cluster.nodes()[hung].resume();
+    assert!(decisions > 100, "{decisions} decisions counted");
+    assert!(
+        slow * 20 < decisions,
+        "{slow} of {decisions} decisions waited out the deadline"
+    );
+}
+
 /// Per account AND per address on a cluster, the two keys on different masters, failing open.
 /// The address's master dies: the account's exhausted quota, on a live master, still refuses
 /// (whichever check's master is asked first), instead of the policy admitting the request.

@@ -2,8 +2,8 @@
 //! deadline on every request for a cool-down, then let one probe through.
 //!
 //! Promise: a failure is charged to the domain whose call failed, and only to it (one dead
-//! cluster master never opens a healthy slot's breaker); the first failure after a success and
-//! each state change are logged once, naming the rule, the domain (a cluster slot) and the
+//! cluster master never opens a healthy master's breaker); the first failure after a success and
+//! each state change are logged once, naming the rule, the domain (a cluster master) and the
 //! error; an open breaker's state is read from the clock, not from the next call.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

@@ -183,11 +183,11 @@ impl Inner {
         });
     }
 
-    /// Indexes of `items` grouped by the failure domain their checks depend on.
+    /// Indexes of `items` grouped by the call they can share (a cluster's slot).
     fn domain_groups<'c>(&self, items: impl Iterator<Item = &'c [Check<'c>]>) -> Vec<Vec<usize>> {
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, checks) in items.enumerate() {
-            let domain = self.store.failure_domain(checks);
+            let domain = self.store.call_group(checks);
             match groups.iter_mut().find(|(d, _)| *d == domain) {
                 Some((_, members)) => members.push(i),
                 None => groups.push((domain, vec![i])),

@@ -276,8 +276,15 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
     }
 
     /// Which failure domain (below [`failure_domains`](Store::failure_domains)) a call for
-    /// these checks depends on.
+    /// these checks depends on: the limiter keeps a circuit breaker for each (a cluster's
+    /// master).
     fn failure_domain(&self, _checks: &[Check<'_>]) -> usize {
+        0
+    }
+
+    /// Which checks can go in one call: those with the same group (a cluster's slot; a call's
+    /// keys must share one). Groups of one failure domain are still called one by one.
+    fn call_group(&self, _checks: &[Check<'_>]) -> usize {
         0
     }
 }

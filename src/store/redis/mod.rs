@@ -134,6 +134,8 @@ enum Conn {
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
         conn: Arc<Connector<ClusterConnection>>,
+        /// Which master serves each slot, as the last connection learnt it.
+        masters: Arc<Masters>,
     },
     /// A user's pool: one connection is taken out and shared (multiplexed) until it fails, so
     /// the hot path never pays a checkout.
@@ -147,6 +149,76 @@ enum Conn {
         sentinels: Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>,
         conn: Arc<Connector<MultiplexedConnection>>,
     },
+}
+
+/// The cluster's masters as the store last learnt them (`CLUSTER SLOTS`, read by each new
+/// connection): a number per master address, in order of first sight, and each slot's master.
+/// The limiter keeps one circuit breaker per master, so a hung master's breaker opens after a
+/// few failures on any of its slots, and a recovering master gets one probe, not one per slot.
+#[derive(Default)]
+struct Masters {
+    addresses: parking_lot::Mutex<Vec<String>>,
+    /// Each slot's master number; [`Masters::UNKNOWN`] until a map is learnt.
+    of_slot: arc_swap::ArcSwap<Vec<u8>>,
+}
+
+impl Masters {
+    /// More masters than a cluster is run with; past it, a slot has a breaker of its own.
+    const MAX: usize = 255;
+    const UNKNOWN: u8 = u8::MAX;
+
+    /// The breaker of `slot`: its master's, or one of its own while its master is unknown.
+    fn breaker(&self, slot: u16) -> usize {
+        match self.of_slot.load().get(usize::from(slot)) {
+            Some(&master) if master != Self::UNKNOWN => usize::from(master),
+            _ => Self::MAX + usize::from(slot),
+        }
+    }
+
+    /// Learn the slot map from a `CLUSTER SLOTS` answer; an answer not shaped as one changes
+    /// nothing.
+    fn learn(&self, answer: &redis::Value) {
+        let redis::Value::Array(ranges) = answer else {
+            return;
+        };
+        let mut of_slot = vec![Self::UNKNOWN; 16_384];
+        let mut addresses = self.addresses.lock();
+        for range in ranges {
+            let redis::Value::Array(parts) = range else {
+                continue;
+            };
+            let (Some(redis::Value::Int(first)), Some(redis::Value::Int(last))) =
+                (parts.first(), parts.get(1))
+            else {
+                continue;
+            };
+            let Some(redis::Value::Array(master)) = parts.get(2) else {
+                continue;
+            };
+            let host = match master.first() {
+                Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                Some(redis::Value::SimpleString(s)) => s.clone(),
+                _ => continue,
+            };
+            let Some(redis::Value::Int(port)) = master.get(1) else {
+                continue;
+            };
+            let address = format!("{host}:{port}");
+            let number = match addresses.iter().position(|a| *a == address) {
+                Some(i) => i,
+                None if addresses.len() < Self::MAX => {
+                    addresses.push(address);
+                    addresses.len() - 1
+                }
+                None => continue,
+            };
+            let (first, last) = (*first.max(&0) as usize, (*last).clamp(0, 16_383) as usize);
+            for slot in of_slot.iter_mut().take(last + 1).skip(first) {
+                *slot = number as u8;
+            }
+        }
+        self.of_slot.store(Arc::new(of_slot));
+    }
 }
 
 /// A connection made in the background, one attempt at a time, each bounded by the connect
@@ -442,6 +514,7 @@ impl RedisStoreBuilder {
         let store = self.finish(Conn::Cluster {
             client: Box::new(client),
             conn: Connector::new(),
+            masters: Arc::default(),
         });
         store.try_first_connection().await?;
         Ok(store)
@@ -861,6 +934,19 @@ async fn send(
         })
 }
 
+/// Learn which master serves each slot, from any node, within `limit`; a node that cannot say
+/// leaves the map as it was (each slot then keeps a breaker of its own until one can).
+async fn learn_masters(conn: &ClusterConnection, masters: &Masters, limit: Duration) {
+    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+    let mut conn = conn.clone();
+    let mut cmd = redis::cmd("CLUSTER");
+    cmd.arg("SLOTS");
+    let ask = conn.route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random));
+    if let Ok(Ok(answer)) = tokio::time::timeout(limit, ask).await {
+        masters.learn(&answer);
+    }
+}
+
 /// Whether any of `keys` (of one slot) exists, each asked alone so that it follows its own
 /// redirection; an answer that is not a clear "no" counts as yes.
 async fn any_exists(conn: &ClusterConnection, keys: &[Vec<u8>]) -> bool {
@@ -1257,12 +1343,17 @@ impl Inner {
                 };
                 Ok(Ready::Single(conn.get(limit, connect).await?))
             }
-            Conn::Cluster { client, conn } => {
+            Conn::Cluster {
+                client,
+                conn,
+                masters,
+            } => {
                 let connect = || {
-                    let client = client.as_ref().clone();
+                    let (client, masters) = (client.as_ref().clone(), masters.clone());
                     async move {
                         let conn = client.get_async_connection().await.map_err(store_error)?;
                         check_version(&mut conn.clone(), limit).await?;
+                        learn_masters(&conn, &masters, limit).await;
                         Ok(conn)
                     }
                 };
@@ -1552,13 +1643,23 @@ impl Store for RedisStore {
 
     fn failure_domains(&self) -> usize {
         if self.is_cluster() {
-            16_384
+            // A breaker per master, and one per slot for slots whose master is not known yet.
+            Masters::MAX + 16_384
         } else {
             1
         }
     }
 
     fn failure_domain(&self, checks: &[Check<'_>]) -> usize {
+        match (&self.inner.conn, checks.first()) {
+            (Conn::Cluster { masters, .. }, Some(c)) => {
+                masters.breaker(slot(&redis_key(&self.inner.prefix, c.rule, c.key)))
+            }
+            _ => 0,
+        }
+    }
+
+    fn call_group(&self, checks: &[Check<'_>]) -> usize {
         match checks.first() {
             Some(c) if self.is_cluster() => {
                 usize::from(slot(&redis_key(&self.inner.prefix, c.rule, c.key)))
