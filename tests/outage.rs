@@ -327,13 +327,18 @@ async fn restarted_redis_is_used_again_and_limits_hold_from_its_state() {
     );
 }
 
+/// A store on `cluster`'s masters.
+async fn cluster_store(cluster: &RedisCluster) -> RedisStore {
+    RedisStore::builder()
+        .cluster(&cluster.urls())
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_cluster_master_only_degrades_its_own_keys() {
     let mut cluster = RedisCluster::start();
-    let store = RedisStore::builder()
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let store = cluster_store(&cluster).await;
     let r = rule(1_000_000);
     let limiter = Limiter::builder(store.clone())
         .rule(r.clone())
@@ -387,10 +392,7 @@ async fn a_dead_cluster_master_only_degrades_its_own_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_masters_slots_share_one_breaker() {
     let cluster = RedisCluster::start();
-    let store = RedisStore::builder()
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let store = cluster_store(&cluster).await;
     let r = rule(1_000_000);
     let limiter = Limiter::builder(store.clone())
         .rule(r.clone())
@@ -440,10 +442,7 @@ async fn a_hung_masters_slots_share_one_breaker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_masters_refusal_stands_when_another_master_is_down() {
     let mut cluster = RedisCluster::start();
-    let store = RedisStore::builder()
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let store = cluster_store(&cluster).await;
     let per_hour = |limit| Quota::per_hour(limit).build().unwrap();
     let (account, ip) = (
         Rule::new("account", per_hour(1)).unwrap(),
