@@ -1371,4 +1371,32 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     let second = slots.acquire(&key).await;
     assert!(matches!(second, Acquired::Held(_)), "{second:?}");
     drop((held, second));
+    // The old master hangs: its breaker opens on its own keys, and the moved slot, learnt from
+    // the MOVED answers, is the new master's, so its key still decides on Redis. (The master
+    // map was read only at connect: the slot stayed on the old master's breaker, and was left
+    // to the policy.)
+    let quick = Limiter::builder(store.clone())
+        .rule(rule.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    assert!(!quick.consume(&key, 1).await.unwrap().degraded);
+    let on_old: Vec<Key> = (0..10_000)
+        .map(|i| Key::new(format!("old-{i}")))
+        .filter(|k| {
+            cluster.node_for_slot(fleetlimit::store::redis::slot(&store.key_for(&rule, k))) == from
+        })
+        .take(5)
+        .collect();
+    node(from).pause();
+    for k in &on_old {
+        assert!(quick.consume(k, 1).await.unwrap().degraded);
+    }
+    let d = quick.consume(&key, 1).await.unwrap();
+    node(from).resume();
+    assert!(
+        !d.degraded,
+        "the moved slot followed its old master's breaker: {d:?}"
+    );
 }

@@ -1,6 +1,7 @@
-//! Store calls across failure domains: each call goes through its domain's breaker within the
-//! decision's one deadline; checks on several domains (cluster slots) are consumed domain by
-//! domain, and a later denial gives the earlier domains back through their receipts.
+//! Store calls across call groups and failure domains: each call goes through its failure
+//! domain's breaker (a cluster master's) within the decision's one deadline; checks in several
+//! call groups (cluster slots) are consumed group by group, and a later denial gives the
+//! earlier groups back through their receipts.
 //!
 //! Promise: a request on several domains is all-or-nothing as far as the store can tell (permits
 //! are held briefly, never granted twice); when one domain cannot answer, what the others took is
@@ -14,9 +15,10 @@ use crate::store::{Check, Op, Refund};
 use crate::{Decision, StoreError};
 
 impl Inner {
-    /// The store decides; checks on different failure domains (cluster slots) are consumed
-    /// domain by domain, and a later denial gives the earlier domains back through their
-    /// receipts. When a domain cannot answer, the policy decides the whole request.
+    /// The store decides; checks in different call groups (cluster slots) are consumed group by
+    /// group, and a later denial gives the earlier groups back through their receipts. When a
+    /// group cannot answer, the refusals of those that did stand and the policy decides the
+    /// rest.
     pub(super) async fn decide_in_store(
         &self,
         op: Op,

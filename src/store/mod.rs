@@ -161,9 +161,9 @@ pub(crate) mod sealed {
 /// atomic across its checks. Sealed: the algorithms' state formats and receipts are the crate's own.
 pub trait Store: sealed::Sealed + Send + Sync + 'static {
     /// Apply `op` to every check as one atomic step, returning one decision per check, in order.
-    /// The checks of one call share a failure domain ([`failure_domain`](Store::failure_domain)):
-    /// on a Redis Cluster, one slot, which every rule on one key shares. The
-    /// [`Limiter`](crate::Limiter) composes checks on several domains, through receipts.
+    /// The checks of one call share a call group ([`call_group`](Store::call_group)): on a
+    /// Redis Cluster, one slot, which every rule on one key shares. The
+    /// [`Limiter`](crate::Limiter) composes checks on several groups, through receipts.
     ///
     /// For [`Op::Consume`], when any check denies, nothing is taken from any of them; the
     /// decisions of the checks that would have admitted then report `allowed: true` with the
@@ -269,8 +269,9 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(bool, u64), StoreError>>;
 
-    /// How many parts of the store can fail independently (a cluster's slots). The limiter keeps
-    /// a circuit breaker for each, so one dead node does not take the others' keys down with it.
+    /// How many parts of the store can fail independently (a cluster's masters, and slots whose
+    /// master is not known yet). The limiter keeps a circuit breaker for each, so one dead node
+    /// does not take the others' keys down with it.
     fn failure_domains(&self) -> usize {
         1
     }

@@ -175,14 +175,32 @@ impl Masters {
         }
     }
 
-    /// Learn the slot map from a `CLUSTER SLOTS` answer; an answer not shaped as one changes
-    /// nothing.
+    /// `address`'s number, given one if it has none and there is room.
+    fn number(addresses: &mut Vec<String>, address: &str) -> Option<u8> {
+        if let Some(i) = addresses.iter().position(|a| a == address) {
+            return u8::try_from(i).ok();
+        }
+        if addresses.len() >= Self::MAX {
+            tracing::warn!(
+                "fleetlimit: more than {} cluster masters; the others' slots get a breaker each",
+                Self::MAX
+            );
+            return None;
+        }
+        addresses.push(address.to_owned());
+        u8::try_from(addresses.len() - 1).ok()
+    }
+
+    /// Learn the slot map from a `CLUSTER SLOTS` answer, numbering its masters afresh (so
+    /// masters gone since free their numbers; a breaker's state outlives a renumbering by at
+    /// most its cool-down). A master whose endpoint the answer cannot name (`?`, empty, null)
+    /// is left unknown, never merged with another. An answer not shaped as one changes nothing.
     fn learn(&self, answer: &redis::Value) {
         let redis::Value::Array(ranges) = answer else {
             return;
         };
         let mut of_slot = vec![Self::UNKNOWN; 16_384];
-        let mut addresses = self.addresses.lock();
+        let mut addresses = Vec::new();
         for range in ranges {
             let redis::Value::Array(parts) = range else {
                 continue;
@@ -203,21 +221,30 @@ impl Masters {
             let Some(redis::Value::Int(port)) = master.get(1) else {
                 continue;
             };
-            let address = format!("{host}:{port}");
-            let number = match addresses.iter().position(|a| *a == address) {
-                Some(i) => i,
-                None if addresses.len() < Self::MAX => {
-                    addresses.push(address);
-                    addresses.len() - 1
-                }
-                None => continue,
+            if host.is_empty() || host == "?" {
+                continue;
+            }
+            let Some(number) = Self::number(&mut addresses, &format!("{host}:{port}")) else {
+                continue;
             };
-            let (first, last) = (*first.max(&0) as usize, (*last).clamp(0, 16_383) as usize);
+            let (first, last) = ((*first).max(0) as usize, (*last).clamp(0, 16_383) as usize);
             for slot in of_slot.iter_mut().take(last + 1).skip(first) {
-                *slot = number as u8;
+                *slot = number;
             }
         }
+        *self.addresses.lock() = addresses;
         self.of_slot.store(Arc::new(of_slot));
+    }
+
+    /// A MOVED answer: `slot` is now served at `address`.
+    fn moved(&self, slot: u16, address: &str) {
+        let mut addresses = self.addresses.lock();
+        let number = Self::number(&mut addresses, address).unwrap_or(Self::UNKNOWN);
+        let mut of_slot = (**self.of_slot.load()).clone();
+        if let Some(owner) = of_slot.get_mut(usize::from(slot)) {
+            *owner = number;
+            self.of_slot.store(Arc::new(of_slot));
+        }
     }
 }
 
@@ -818,9 +845,12 @@ const MAX_REDIRECTIONS: u32 = 8;
 /// the call may have run, and running a script twice would count twice (that is why redis-rs's
 /// own retries are off). `again` sends the call to a node (after `ASKING` when asked to); an
 /// error reply to a redirected call is followed like the first. With `until_try_again`, a
-/// TRYAGAIN is returned at once, for the caller to send another call instead.
+/// TRYAGAIN is returned at once, for the caller to send another call instead. A MOVED teaches
+/// `masters` the slot's new owner (redis-rs relearns its own map on it, so no reconnection
+/// would).
 async fn follow_redirections<T, F>(
     conn: &mut ClusterConnection,
+    masters: &Masters,
     slot: u16,
     until_try_again: bool,
     mut result: Result<T, RedisError>,
@@ -837,6 +867,11 @@ where
             break;
         }
         let method = error.retry_method();
+        if let (RetryMethod::MovedRedirect, Some((address, moved))) =
+            (&method, error.redirect_node())
+        {
+            masters.moved(moved, address);
+        }
         let node = error.redirect_node().and_then(|(address, _)| {
             let (host, port) = address.rsplit_once(':')?;
             Some(SingleNodeRoutingInfo::ByAddress {
@@ -949,7 +984,7 @@ async fn learn_masters(conn: &ClusterConnection, masters: &Masters, limit: Durat
 
 /// Whether any of `keys` (of one slot) exists, each asked alone so that it follows its own
 /// redirection; an answer that is not a clear "no" counts as yes.
-async fn any_exists(conn: &ClusterConnection, keys: &[Vec<u8>]) -> bool {
+async fn any_exists(conn: &ClusterConnection, masters: &Masters, keys: &[Vec<u8>]) -> bool {
     for key in keys {
         let mut cmd = redis::cmd("EXISTS");
         cmd.arg(key);
@@ -959,7 +994,7 @@ async fn any_exists(conn: &ClusterConnection, keys: &[Vec<u8>]) -> bool {
             let cmd = cmd.clone();
             async move { send(&mut conn, &node, asking, cmd).await }
         };
-        let answer = follow_redirections(&mut conn, slot(key), false, first, again).await;
+        let answer = follow_redirections(&mut conn, masters, slot(key), false, first, again).await;
         if !matches!(answer, Ok(redis::Value::Int(0))) {
             return true;
         }
@@ -1045,6 +1080,15 @@ fn store_error(e: RedisError) -> StoreError {
 }
 
 impl Inner {
+    /// The cluster's master map (an empty one for other connections, which never use it).
+    fn masters(&self) -> &Masters {
+        static NONE: std::sync::OnceLock<Masters> = std::sync::OnceLock::new();
+        match &self.conn {
+            Conn::Cluster { masters, .. } => masters,
+            _ => NONE.get_or_init(Masters::default),
+        }
+    }
+
     /// One script call for `checks`, within the deadline.
     async fn invoke(&self, op: Op, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
         let values = self.call(op_name(op), checks, &[], None).await?;
@@ -1136,12 +1180,16 @@ impl Inner {
                 // of its keys is listed (asked one by one, each following its redirection); a
                 // listed key's request stays with the policy, which knows the listings this
                 // process has seen.
-                let mut result = follow_redirections(&mut conn, slot, true, result, again).await;
+                let masters = self.masters();
+                let mut result =
+                    follow_redirections(&mut conn, masters, slot, true, result, again).await;
                 let try_again = |r: &Result<Vec<i64>, RedisError>| {
                     r.as_ref().is_err_and(|e| e.code() == Some("TRYAGAIN"))
                 };
                 let unmoved = &keys[checks.len()..];
-                if try_again(&result) && (op == "refund" || !any_exists(&conn, unmoved).await) {
+                if try_again(&result)
+                    && (op == "refund" || !any_exists(&conn, masters, unmoved).await)
+                {
                     let states = &keys[..checks.len()];
                     tracing::debug!(
                         slot,
@@ -1157,7 +1205,8 @@ impl Inner {
                         ),
                     );
                     let first = again(conn.clone(), route, false).await;
-                    result = follow_redirections(&mut conn, slot, false, first, again).await;
+                    result =
+                        follow_redirections(&mut conn, masters, slot, false, first, again).await;
                 }
                 self.forget_dead_node(&result);
                 result
@@ -1239,7 +1288,9 @@ impl Inner {
                     async move { send(&mut conn, &node, asking, cmd).await }
                 };
                 let slot = command_slot(&cmd);
-                let result = follow_redirections(&mut conn, slot, false, first, again).await;
+                let masters = self.masters();
+                let result =
+                    follow_redirections(&mut conn, masters, slot, false, first, again).await;
                 if moved {
                     self.forget_cluster_connection(&result);
                 } else {
@@ -1358,7 +1409,8 @@ impl Inner {
                     }
                 };
                 // redis-rs waits for every node, each up to the connect timeout (a hung one
-                // takes all of it); then each master is asked its version, as long again.
+                // takes all of it); then each master is asked its version, as long again; then one
+                // node its slot map (one round trip, as long again at worst).
                 let attempt = limit.saturating_mul(3);
                 Ok(Ready::Cluster(conn.get(attempt, connect).await?))
             }
