@@ -813,6 +813,7 @@ mod tests {
         let link = crate::store::testing::Link {
             store: store.clone(),
             delay: Duration::ZERO,
+            reply_after: Duration::ZERO,
             lost_renewals: lost.into(),
         };
         let limiter = ConcurrencyLimiter::builder(link, "in-flight", 1)

@@ -4,7 +4,8 @@
 //! Promise: a remembered denial answers only the request it proves (the same rule, key and
 //! cost), never after the store's own retry time nor longer than `max_age` after the store said
 //! it (so a reset, a block lifted, a quota raised or a Redis restarted empty is seen by every
-//! instance within `max_age`), and with headers computed at the moment of the answer
+//! instance within `max_age`, and at once by the instance that made the change, even by a reply
+//! already in flight then), and with headers computed at the moment of the answer
 //! (`retry_after` and `reset_after` count down from the store's answer). While the store cannot
 //! be asked, a denial stands up to the store's own retry time (a blocked or deny-listed key stays
 //! refused through an outage). Bounded: at most the configured number of keys, those past
@@ -12,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -51,6 +52,19 @@ pub(crate) struct DenialCache {
     /// Denials held, over every shard (kept by [`Locked`]): an admission, which may lift one,
     /// looks no further while there are none, as is nearly always so.
     held: AtomicUsize,
+    /// Moved on by every [`forget`](DenialCache::forget) and [`clear`](DenialCache::clear): a
+    /// denial answering a call asked before one (see [`Asked`]) is not remembered. A reply still
+    /// in flight when a key is reset or unblocked would otherwise put the refusal the reset
+    /// lifted back, for up to `max_age`, or through an outage to its old retry time.
+    generation: AtomicU64,
+}
+
+/// When a store call was asked: the limiter's clock, and the cache's
+/// [`generation`](DenialCache::generation) then.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Asked {
+    pub(crate) at: u64,
+    pub(crate) generation: u64,
 }
 
 /// A shard, locked; on unlock, the change in its size goes into the cache's count.
@@ -94,7 +108,13 @@ impl DenialCache {
             max_age: micros(max_age),
             hasher: hashbrown::DefaultHashBuilder::default(),
             held: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
         }
+    }
+
+    /// The current generation, to stamp a call with before it is asked.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     fn lock<'a>(&'a self, shard: &'a Shard) -> Locked<'a> {
@@ -150,9 +170,10 @@ impl DenialCache {
         Some(d)
     }
 
-    /// Remember a store denial `d` of a request of `cost`, answered for a call made at `asked_at`
-    /// (so the remembered wait never outlasts the store's).
-    pub(crate) fn remember(&self, key: SlotKey, cost: u64, d: &Decision, asked_at: u64) {
+    /// Remember a store denial `d` of a request of `cost`, answered for a call `asked` (so the
+    /// remembered wait never outlasts the store's), unless a key was forgotten since.
+    pub(crate) fn remember(&self, key: SlotKey, cost: u64, d: &Decision, asked: Asked) {
+        let asked_at = asked.at;
         if d.allowed {
             if !self.is_empty() {
                 self.admitted(&key, cost, asked_at);
@@ -166,6 +187,11 @@ impl DenialCache {
         let until = retry_at.min(asked_at.saturating_add(self.max_age));
         let reset_at = asked_at.saturating_add(micros(d.reset_after));
         let mut shard = self.shard(&key);
+        // Read under the shard's lock: a forget moves the generation on before it takes the
+        // shards' locks, so either this sees it or the forget removes what this inserts.
+        if self.generation() != asked.generation {
+            return;
+        }
         if shard.len() >= self.per_shard && !shard.contains_key(&key) {
             shard.retain(|_, r| r.until > asked_at);
             if shard.len() >= self.per_shard {
@@ -209,14 +235,15 @@ impl DenialCache {
 
     /// Forget every remembered denial (the quotas changed).
     pub(crate) fn clear(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
         for shard in self.shards.iter() {
             self.lock(shard).clear();
         }
     }
 
     /// Forget everything remembered about `key` under every rule.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn forget(&self, key: &Key) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
         for shard in self.shards.iter() {
             self.lock(shard).retain(|(_, k), _| k != key);
         }
@@ -226,6 +253,14 @@ impl DenialCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call asked at `t` (µs), stamped with the cache's generation now.
+    fn asked(c: &DenialCache, t: u64) -> Asked {
+        Asked {
+            at: t,
+            generation: c.generation(),
+        }
+    }
 
     fn denial(retry_ms: u64, reset_ms: u64) -> Decision {
         Decision::deny(
@@ -240,7 +275,7 @@ mod tests {
     fn answers_the_same_cost_with_waits_counted_down() {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
-        c.remember(k.clone(), 2, &denial(1_000, 4_000), 0);
+        c.remember(k.clone(), 2, &denial(1_000, 4_000), asked(&c, 0));
         let d = c.get(&k, 2, 250_000).unwrap();
         assert_eq!(d.retry_after, Some(Duration::from_millis(750)));
         assert_eq!(d.reset_after, Duration::from_millis(3_750));
@@ -271,18 +306,18 @@ mod tests {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
         let admit = Decision::admit(10, 5, Duration::ZERO);
-        c.remember(k.clone(), 5, &denial(30_000, 60_000), 1_000);
-        c.remember(k.clone(), 5, &admit, 500);
+        c.remember(k.clone(), 5, &denial(30_000, 60_000), asked(&c, 1_000));
+        c.remember(k.clone(), 5, &admit, asked(&c, 500));
         assert!(
             c.get_in_outage(&k, 5, 2_000).is_some(),
             "asked before the denial"
         );
-        c.remember(k.clone(), 1, &admit, 1_500);
+        c.remember(k.clone(), 1, &admit, asked(&c, 1_500));
         assert!(
             c.get_in_outage(&k, 5, 2_000).is_some(),
             "a smaller cost proves nothing"
         );
-        c.remember(k.clone(), 5, &admit, 1_500);
+        c.remember(k.clone(), 5, &admit, asked(&c, 1_500));
         assert!(
             c.get_in_outage(&k, 5, 2_000).is_none(),
             "the same cost fits again"
@@ -291,8 +326,8 @@ mod tests {
             listed: crate::decision::ByListing::DENY,
             ..denial(86_400_000, 86_400_000)
         };
-        c.remember(k.clone(), 5, &listed, 3_000);
-        c.remember(k.clone(), 1, &admit, 3_500);
+        c.remember(k.clone(), 5, &listed, asked(&c, 3_000));
+        c.remember(k.clone(), 1, &admit, asked(&c, 3_500));
         assert!(
             c.get_in_outage(&k, 5, 4_000).is_none(),
             "the listing is gone"
@@ -306,27 +341,85 @@ mod tests {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let (a, b) = ((0, Key::new("a")), (0, Key::new("b")));
         assert!(c.is_empty());
-        c.remember(a.clone(), 1, &denial(1_000, 1_000), 0);
-        c.remember(a.clone(), 1, &denial(1_000, 1_000), 10);
-        c.remember(b.clone(), 1, &denial(1_000, 1_000), 0);
+        c.remember(a.clone(), 1, &denial(1_000, 1_000), asked(&c, 0));
+        c.remember(a.clone(), 1, &denial(1_000, 1_000), asked(&c, 10));
+        c.remember(b.clone(), 1, &denial(1_000, 1_000), asked(&c, 0));
         assert_eq!(c.held.load(Ordering::Relaxed), 2, "a key counts once");
-        c.remember(a.clone(), 1, &Decision::admit(10, 5, Duration::ZERO), 20);
+        c.remember(
+            a.clone(),
+            1,
+            &Decision::admit(10, 5, Duration::ZERO),
+            asked(&c, 20),
+        );
         assert_eq!(c.held.load(Ordering::Relaxed), 1, "lifted");
         assert!(c.get(&b, 1, 2_000_000).is_none());
         assert!(c.is_empty(), "over its time");
-        c.remember(b.clone(), 1, &denial(1_000, 1_000), 0);
+        c.remember(b.clone(), 1, &denial(1_000, 1_000), asked(&c, 0));
         c.forget(&Key::new("b"));
         assert!(c.is_empty(), "forgotten");
-        c.remember(b, 1, &denial(1_000, 1_000), 0);
+        c.remember(b, 1, &denial(1_000, 1_000), asked(&c, 0));
         c.clear();
         assert!(c.is_empty(), "cleared");
+    }
+
+    /// A reply in flight while its key is reset or unblocked (or the quotas change) lands
+    /// after the cache forgot the key: the refusal the reset lifted is not put back.
+    #[test]
+    fn a_denial_asked_before_a_forget_is_not_remembered() {
+        let c = DenialCache::new(100, Duration::from_secs(60));
+        let k = (0, Key::new("k"));
+        let in_flight = asked(&c, 0);
+        c.forget(&Key::new("k"));
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), in_flight);
+        assert!(c.get(&k, 1, 1).is_none(), "asked before the forget");
+        let in_flight = asked(&c, 0);
+        c.clear();
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), in_flight);
+        assert!(c.get(&k, 1, 1).is_none(), "asked before the clear");
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, 0));
+        assert!(c.get(&k, 1, 1).is_some(), "asked after both");
+    }
+
+    /// The same, through a limiter: a refusal decided before a reset and answered after it is
+    /// not remembered, so the reset key's next request goes to the store and is admitted.
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_in_flight_across_a_reset_is_not_remembered() {
+        use crate::store::testing::Link;
+        use crate::{Limiter, ManualClock, MemoryStore, Quota, Rule};
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let store = Link {
+            store: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
+            delay: Duration::ZERO,
+            reply_after: Duration::from_millis(50),
+            lost_renewals: Default::default(),
+        };
+        let rule = Rule::new("r", Quota::per_minute(1).build().unwrap()).unwrap();
+        let limiter = Limiter::builder(store)
+            .rule(rule)
+            .on_store_error(crate::OnStoreError::fail_closed())
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let key = Key::new("k");
+        assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+        let in_flight = {
+            let (limiter, key) = (limiter.clone(), key.clone());
+            tokio::spawn(async move { limiter.consume(&key, 1).await.unwrap() })
+        };
+        // Decided (refused) now, answered 50 ms later: reset meanwhile.
+        tokio::task::yield_now().await;
+        limiter.reset(&key).await.unwrap();
+        let refused = in_flight.await.unwrap();
+        assert!(!refused.allowed, "decided before the reset");
+        let after = limiter.consume(&key, 1).await.unwrap();
+        assert!(after.allowed, "the reset stands: {after:?}");
     }
 
     #[test]
     fn in_an_outage_a_denial_stands_until_the_stores_retry_time() {
         let c = DenialCache::new(100, Duration::from_secs(1));
         let k = (0, Key::new("k"));
-        c.remember(k.clone(), 1, &denial(30_000, 60_000), 0);
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, 0));
         assert!(
             c.get(&k, 1, 5_000_000).is_none(),
             "past max_age: ask the store"
@@ -348,7 +441,7 @@ mod tests {
     fn a_denial_is_trusted_for_max_age_at_most() {
         let c = DenialCache::new(100, Duration::from_secs(1));
         let k = (0, Key::new("k"));
-        c.remember(k.clone(), 1, &denial(30_000, 60_000), 0);
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, 0));
         let d = c.get(&k, 1, 999_999).unwrap();
         assert_eq!(
             d.retry_after,
@@ -365,12 +458,17 @@ mod tests {
     fn admissions_and_permanent_denials_are_not_remembered() {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
-        c.remember(k.clone(), 1, &Decision::admit(10, 9, Duration::ZERO), 0);
+        c.remember(
+            k.clone(),
+            1,
+            &Decision::admit(10, 9, Duration::ZERO),
+            asked(&c, 0),
+        );
         c.remember(
             k.clone(),
             50,
             &Decision::deny(10, 0, Duration::ZERO, None),
-            0,
+            asked(&c, 0),
         );
         assert!(c.get(&k, 1, 1).is_none());
         assert!(c.get(&k, 50, 1).is_none());
@@ -384,7 +482,7 @@ mod tests {
                 (0, Key::new(i.to_be_bytes())),
                 1,
                 &denial(10 + i, 10 + i),
-                0,
+                asked(&c, 0),
             );
         }
         let held: usize = c.shards.iter().map(|s| s.lock().unwrap().len()).sum();

@@ -25,7 +25,8 @@ impl Inner {
         checks: &[Check<'_>],
         deadline: Deadline,
     ) -> Vec<Decision> {
-        let asked_at = self.clock.now_us();
+        let asked = self.asked();
+        let asked_at = asked.at;
         let groups = self.domain_groups(checks.iter().map(std::slice::from_ref));
         if groups.len() <= 1 {
             return match self
@@ -35,7 +36,7 @@ impl Inner {
                 Some(decisions) => {
                     self.learn_listings(checks, &decisions, asked_at);
                     if let ([check], [d], Op::Consume) = (checks, decisions.as_slice(), op) {
-                        self.remember(check, d, asked_at);
+                        self.remember(check, d, asked);
                     }
                     decisions
                 }

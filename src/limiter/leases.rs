@@ -353,7 +353,8 @@ impl Inner {
         let Ok(one_at_a_time) = deadline.halfway().run(slot.refill.lock()).await else {
             return self.decide_direct(check, deadline).await;
         };
-        let started = self.clock.now_us();
+        let asked = self.asked();
+        let started = asked.at;
         // Read before the rules: a block leased under quotas replaced meanwhile is stamped
         // with the old generation, and never spent.
         let generation = self.leases.generation();
@@ -398,7 +399,7 @@ impl Inner {
                 ..lease.state
             };
             self.listings.observe(check.key, &decision, started);
-            self.remember(check, &decision, started);
+            self.remember(check, &decision, asked);
             return Ok(decision);
         }
         self.listings.observe(check.key, &lease.state, started);
@@ -419,7 +420,7 @@ impl Inner {
             let old = slot.block.swap(Arc::new(fresh));
             self.give_back_later(check, &old);
             // An admission by the store: a denial it gave before no longer stands.
-            self.remember(check, &decision, started);
+            self.remember(check, &decision, asked);
             return Ok(decision);
         }
         // Not enough for this request: keep what was granted for smaller ones, and let the
@@ -440,7 +441,8 @@ impl Inner {
         deadline: Deadline,
     ) -> Result<Decision, Error> {
         let checks = std::slice::from_ref(check);
-        let asked_at = self.clock.now_us();
+        let asked = self.asked();
+        let asked_at = asked.at;
         match self
             .call_store(
                 "apply",
@@ -453,7 +455,7 @@ impl Inner {
         {
             Some(d) => {
                 self.listings.observe(check.key, &d, asked_at);
-                self.remember(check, &d, asked_at);
+                self.remember(check, &d, asked);
                 Ok(d)
             }
             None => Ok(self.policy_decision(check)),
@@ -811,6 +813,7 @@ mod tests {
         let store = crate::store::testing::Link {
             store: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
             delay: Duration::from_millis(2),
+            reply_after: Duration::ZERO,
             lost_renewals: Default::default(),
         };
         let rule = hot_rule();

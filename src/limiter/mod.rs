@@ -37,7 +37,7 @@ use breaker::Breakers;
 pub use builder::{
     InfallibleStore, LimiterBuilder, PolicyUnset, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_MAX_AGE,
 };
-use denials::DenialCache;
+use denials::{Asked, DenialCache};
 pub use heavy::HeavyHitter;
 use heavy::HeavyHitters;
 pub use lease_config::LeaseConfig;
@@ -1031,14 +1031,22 @@ impl Inner {
             .get(&(index, check.key.clone()), check.cost, now)
     }
 
+    /// When a store call is asked, for [`remember`](Inner::remember).
+    fn asked(&self) -> Asked {
+        Asked {
+            at: self.clock.now_us(),
+            generation: self.denials.as_ref().map_or(0, |c| c.generation()),
+        }
+    }
+
     /// Remember a store denial of a single-rule consume.
-    fn remember(&self, check: &Check<'_>, d: &Decision, asked_at: u64) {
+    fn remember(&self, check: &Check<'_>, d: &Decision, asked: Asked) {
         // An admission only lifts denials: none held, nothing to do (the common case).
         if d.allowed && self.denials.as_ref().is_none_or(|c| c.is_empty()) {
             return;
         }
         if let (Some(cache), Some(index)) = (&self.denials, self.rule_index(check.rule)) {
-            cache.remember((index, check.key.clone()), check.cost, d, asked_at);
+            cache.remember((index, check.key.clone()), check.cost, d, asked);
         }
     }
 

@@ -7,11 +7,13 @@ use std::time::Duration;
 use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
 use crate::{Decision, Key, MemoryStore, Rule, StoreError};
 
-/// `store` behind a link that takes `delay` (tokio time) per decision, lease and refund, and
-/// never answers the first `lost_renewals` concurrency-slot renewals.
+/// `store` behind a link that takes `delay` (tokio time) per decision, lease and refund, whose
+/// decisions' replies take `reply_after` more once decided, and that never answers the first
+/// `lost_renewals` concurrency-slot renewals.
 pub(crate) struct Link {
     pub(crate) store: MemoryStore,
     pub(crate) delay: Duration,
+    pub(crate) reply_after: Duration,
     pub(crate) lost_renewals: AtomicU32,
 }
 
@@ -33,7 +35,11 @@ impl Store for Link {
     ) -> BoxFuture<'a, Result<Vec<Decision>, StoreError>> {
         Box::pin(async move {
             self.crossed().await;
-            self.store.apply(op, checks).await
+            let decided = self.store.apply(op, checks).await;
+            if !self.reply_after.is_zero() {
+                tokio::time::sleep(self.reply_after).await;
+            }
+            decided
         })
     }
 
