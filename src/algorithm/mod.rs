@@ -58,15 +58,14 @@ impl State {
     }
 
     /// This state taken over by a key at `now` (a copy of a state it may have shared):
-    /// receipts from before refund nothing against it, as against a fresh state. A log has no
-    /// such stamp; its refunds remove entries of their own time only.
+    /// receipts from before refund nothing against it, as against a fresh state.
     pub(crate) fn taken_over(mut self, now: u64) -> State {
         match &mut self {
             State::FixedWindow(s) => s.valid_from = now,
             State::SlidingWindow(s) => s.valid_from = now,
             State::TokenBucket(s) => s.valid_from = now,
             State::Gcra(s) => s.valid_from = now,
-            State::SlidingLog(_) => {}
+            State::SlidingLog(s) => s.valid_from = now,
         }
         self
     }

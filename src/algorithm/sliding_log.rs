@@ -6,7 +6,8 @@
 //!
 //! Refunds: a receipt names the timestamp of the entries its request added; a refund removes
 //! entries of that timestamp only (never another request's), so the log is what it would be had
-//! the request never come.
+//! the request never come. A receipt from before the log's first permit (or, in the memory
+//! store, before it was copied from the shared overflow state) refunds nothing.
 //!
 //! Quota changes: entries are timestamps, so a new limit or period reads them as they are. A
 //! longer period cannot see entries the shorter one already dropped: the promise under the new
@@ -14,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use super::{never, us};
+use super::{never, receipt, us};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -22,6 +23,11 @@ pub(crate) struct SlidingLog {
     /// Admission times (µs), oldest first; a request of cost `c` adds `c` entries. An entry at
     /// `ts` counts until `ts + period`.
     pub(crate) entries: VecDeque<u64>,
+    /// Receipts from before this time (µs) refund nothing: the log was created, or copied from
+    /// a state it did not lend its entries to (the memory store's shared overflow state), then.
+    /// Without it, an evicted predecessor's receipt removed an entry another request added in
+    /// the same microsecond. 0 until the first permit is taken.
+    pub(crate) valid_from: u64,
 }
 
 impl SlidingLog {
@@ -59,14 +65,13 @@ impl SlidingLog {
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
         let now = self.effective_now(now);
         self.entries.extend(std::iter::repeat_n(now, cost as usize));
-        Taken {
-            at: now,
-            cost,
-            algorithm: Algorithm::SlidingLog,
-        }
+        receipt(&mut self.valid_from, now, cost, Algorithm::SlidingLog)
     }
 
     pub(crate) fn refund(&mut self, taken: Taken) {
+        if taken.at < self.valid_from {
+            return;
+        }
         // Entries are sorted: those of one timestamp stand together.
         let end = self.entries.partition_point(|&ts| ts <= taken.at);
         let start = self.entries.partition_point(|&ts| ts < taken.at);

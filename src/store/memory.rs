@@ -1944,6 +1944,46 @@ mod tests {
         );
     }
 
+    /// The same for a log, whose refunds remove entries of the receipt's own time: the copy
+    /// holds another key's entry of that very microsecond, which the old receipt must not
+    /// remove.
+    #[test]
+    fn a_log_receipt_removes_nothing_from_an_overflow_copy() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let log = Rule::new(
+            "log",
+            Quota::per_hour(10)
+                .algorithm(Algorithm::SlidingLog)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let short = rule("short", Algorithm::FixedWindow, 10);
+        let k = Key::new("k");
+        let receipt = s.apply_now(Op::Consume, &one(&log, &k, 1))[0]
+            .taken
+            .unwrap();
+        // Keys that used more than half push `k` out; in the same microsecond, a new key is
+        // counted in the overflow state.
+        for i in 0..16u32 {
+            s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 6));
+        }
+        assert!(s.apply_now(Op::Consume, &one(&log, &Key::new("x"), 1))[0].allowed);
+        // Once they expire, `k` comes back as a copy of the overflow.
+        clock.advance(Duration::from_secs(1));
+        assert!(s.apply_now(Op::Consume, &one(&log, &k, 1))[0].allowed);
+        let before = s.apply_now(Op::Peek, &one(&log, &k, 1))[0].remaining;
+        assert_eq!(before, 8, "the copy holds x's permit and k's new one");
+        let _ = s.refund_now(&[Refund {
+            rule: &log,
+            key: &k,
+            taken: receipt,
+        }]);
+        let after = s.apply_now(Op::Peek, &one(&log, &k, 1))[0].remaining;
+        assert_eq!(after, before, "the old receipt removed x's entry");
+    }
+
     /// Two checks in one full shard: deciding the second must not evict the first's state
     /// between its decision and its commit.
     #[test]
