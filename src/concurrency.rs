@@ -791,23 +791,13 @@ impl<B: Body, G> Body for HeldBody<B, G> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Clock;
-
-    /// Tokio's time, paused in these tests, as a store clock.
-    #[derive(Debug)]
-    struct TokioClock(tokio::time::Instant);
-
-    impl Clock for TokioClock {
-        fn now_us(&self) -> u64 {
-            1_735_689_600_000_000 + self.0.elapsed().as_micros() as u64
-        }
-    }
+    use crate::store::testing::TokioClock;
 
     /// A limit of one slot at the default ttl, failing closed, on a memory store (on paused
     /// tokio time) whose first `lost` renewals are never answered; and the store.
     fn losing_renewals(lost: u32) -> (ConcurrencyLimiter, MemoryStore) {
         let store = MemoryStore::builder()
-            .clock(TokioClock(tokio::time::Instant::now()))
+            .clock(TokioClock::new())
             .build()
             .unwrap();
         let link = crate::store::testing::Link {

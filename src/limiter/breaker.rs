@@ -168,6 +168,9 @@ pub(crate) struct Breakers {
     /// This limiter's open breakers as last added to the process-wide gauge: each limiter adds
     /// and takes back its own, so two in one process never overwrite each other's.
     reported: AtomicU64,
+    /// A task brings the gauge up to date after each cool-down while it shows one of ours open
+    /// (see [`Breakers::watch`]).
+    watching: AtomicBool,
 }
 
 impl Drop for Breakers {
@@ -193,7 +196,34 @@ impl Breakers {
             store_errors: AtomicU64::new(0),
             opened: AtomicU64::new(0),
             reported: AtomicU64::new(0),
+            watching: AtomicBool::new(false),
         }
+    }
+
+    /// This limiter's open breakers, as the gauge shows them.
+    pub(crate) fn reported(&self) -> u64 {
+        self.reported.load(Ordering::Relaxed)
+    }
+
+    /// How long an open breaker waits before its probe.
+    pub(crate) fn cool_down(&self) -> Duration {
+        self.config.cool_down
+    }
+
+    /// Claim the watch over the gauge ([`Inner::watch_breakers`](super::Inner)) while it shows
+    /// one of this limiter's breakers open and nobody watches.
+    pub(crate) fn claim_watch(&self) -> bool {
+        self.reported() > 0
+            && self
+                .watching
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+
+    /// The watch ends: true, unless a breaker opened meanwhile and the watch goes on.
+    pub(crate) fn end_watch(&self) -> bool {
+        self.watching.store(false, Ordering::Release);
+        !self.claim_watch()
     }
 
     /// Run a store call for `domain` through its breaker, within the decision's deadline.
@@ -258,6 +288,10 @@ impl Breakers {
                     ),
                     _ => tracing::debug!(rule, domain, %error, "fleetlimit: store call failed"),
                 }
+                if probe {
+                    // Open for another cool-down: the gauge may have seen the last one end.
+                    self.report_open(now());
+                }
                 None
             }
         }
@@ -285,6 +319,49 @@ impl Breakers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store that answers no call within the deadline opens the breaker, and nothing comes
+    /// after: the gauge shows it closed once its cool-down has ended (on paused Tokio time).
+    #[cfg(feature = "metrics")]
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_cool_down_ends_on_the_gauge() {
+        use crate::store::testing::{Link, TokioClock};
+        use crate::{Key, Limiter, MemoryStore, OnStoreError, Quota, Rule};
+        let link = Link {
+            store: MemoryStore::new(),
+            delay: Duration::from_secs(1),
+            reply_after: Duration::ZERO,
+            lost_renewals: Default::default(),
+        };
+        let limiter = Limiter::builder(link)
+            .rule(Rule::new("r", Quota::per_second(10).build().unwrap()).unwrap())
+            .on_store_error(OnStoreError::FailOpen)
+            .deadline(Duration::from_millis(10))
+            .breaker(BreakerConfig {
+                failures: 1,
+                cool_down: Duration::from_millis(250),
+            })
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let d = limiter.consume(&Key::new("k"), 1).await.unwrap();
+        assert!(d.degraded);
+        let breakers = &limiter.inner.breakers;
+        assert_eq!(breakers.reported(), 1, "opened");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(breakers.reported(), 1, "still cooling down");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            breakers.reported(),
+            0,
+            "the cool-down ended with no request"
+        );
+        // It opens again, and is watched again.
+        assert!(limiter.consume(&Key::new("k"), 1).await.unwrap().degraded);
+        assert_eq!(breakers.reported(), 1, "opened again");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(breakers.reported(), 0);
+    }
 
     #[test]
     fn opens_after_consecutive_failures_and_probes_once() {

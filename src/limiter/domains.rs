@@ -226,6 +226,44 @@ impl Inner {
             self.telemetry
                 .store_call(what, started.elapsed(), answer.is_none());
         }
+        if answer.is_none() {
+            self.watch_breakers();
+        }
         answer
+    }
+
+    /// A cool-down can end with no request to notice, and `fleetlimit_breakers_open` would
+    /// show the breaker open until the next store call or `stats()`: an alert on it would go on
+    /// firing on an idle service. While it shows one of this limiter's breakers open, one task
+    /// brings it up to date after every cool-down (with the `metrics` feature, on a Tokio
+    /// runtime). It holds the limiter weakly, and ends with it.
+    fn watch_breakers(&self) {
+        if !cfg!(feature = "metrics") {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self.breakers.claim_watch() {
+            return;
+        }
+        let me = self.me.clone();
+        let cool_down = self
+            .breakers
+            .cool_down()
+            .max(std::time::Duration::from_millis(1));
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(cool_down).await;
+                let Some(inner) = me.upgrade() else {
+                    return;
+                };
+                if inner.breakers.report_open(inner.clock.now_us()) == 0
+                    && inner.breakers.end_watch()
+                {
+                    return;
+                }
+            }
+        });
     }
 }

@@ -13,7 +13,7 @@
 //! | `fleetlimit_lease_blocks_total` | counter | `rule`: blocks leased |
 //! | `fleetlimit_lease_permits_returned_total` | counter | `rule`: unspent permits given back |
 //! | `fleetlimit_lease_permits_expired_total` | counter | `rule`: unspent permits that could not be given back |
-//! | `fleetlimit_breakers_open` | gauge | breakers refusing store calls now, over every limiter in the process (a count over the failure domains: a label per cluster slot would be 16,384 series); brought up to date when one opens or closes and when `stats()` is read |
+//! | `fleetlimit_breakers_open` | gauge | breakers refusing store calls now, over every limiter in the process (a count over the failure domains: a label per cluster slot would be 16,384 series); brought up to date when one opens, closes or ends its cool-down (even with no traffic), and when `stats()` is read |
 //!
 //! Outcomes: `allowed` and `denied` (the store decided), `lease_allowed` (spent from a leased
 //! block; `lease_denied` is reserved: a leased key's refusals are the store's or remembered),

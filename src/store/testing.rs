@@ -5,7 +5,23 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
-use crate::{Decision, Key, MemoryStore, Rule, StoreError};
+use crate::{Clock, Decision, Key, MemoryStore, Rule, StoreError};
+
+/// Tokio's time (paused, in the tests that use it) as a clock, from a fixed epoch.
+#[derive(Debug)]
+pub(crate) struct TokioClock(tokio::time::Instant);
+
+impl TokioClock {
+    pub(crate) fn new() -> TokioClock {
+        TokioClock(tokio::time::Instant::now())
+    }
+}
+
+impl Clock for TokioClock {
+    fn now_us(&self) -> u64 {
+        1_735_689_600_000_000 + self.0.elapsed().as_micros() as u64
+    }
+}
 
 /// `store` behind a link that takes `delay` (tokio time) per decision, lease and refund, whose
 /// decisions' replies take `reply_after` more once decided, and that never answers the first
