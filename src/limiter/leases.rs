@@ -423,12 +423,34 @@ impl Inner {
             self.remember(check, &decision, asked);
             return Ok(decision);
         }
-        // Not enough for this request: keep what was granted for smaller ones, and let the
-        // store decide this one directly, within the same deadline. Still holding the refill:
-        // a refused key is remembered before the requests queued behind it look (released
-        // first, each would lease again, for nothing).
-        let old = slot.block.swap(Arc::new(block(lease.permits)));
-        self.give_back_later(check, &old);
+        // Not enough for this request, though the old block and the new one together may be:
+        // both go back to the store now, and the store decides this one directly, within the
+        // same deadline, counting every permit this process held. (Kept, they were out of the
+        // store's count while it refused the request, and the refusal was remembered.) Still
+        // holding the refill: a refused key is remembered before the requests queued behind it
+        // look (released first, each would lease again, for nothing).
+        let old = slot.block.swap(Arc::new(Block::empty()));
+        let granted = block(lease.permits);
+        let refunds: Vec<Refund<'_>> = [old.drain(), granted.drain()]
+            .into_iter()
+            .flatten()
+            .map(|taken| Refund {
+                rule: check.rule,
+                key: check.key,
+                taken,
+            })
+            .collect();
+        if !refunds.is_empty() {
+            // Not taken back, they return when the window ends or the bucket refills.
+            let given = self.give_back(&refunds, deadline).await;
+            for r in &refunds {
+                if given {
+                    super::telemetry::lease_returned(check.rule, r.taken.cost());
+                } else {
+                    super::telemetry::lease_expired(check.rule, r.taken.cost());
+                }
+            }
+        }
         let decision = self.decide_direct(check, deadline).await;
         drop(one_at_a_time);
         decision
@@ -763,6 +785,29 @@ mod tests {
                 "{admitted} admitted in [1 s, 2 s) under quotas of 1000 (override: {by_override})"
             );
         }
+    }
+
+    /// A request larger than what the key's block holds, when the store has fewer left than
+    /// it asks for: the old block and the new one together hold enough, and the request is
+    /// admitted (the store decided it with neither counted, and refused it).
+    #[tokio::test(start_paused = true)]
+    async fn permits_split_between_the_old_block_and_the_new_lease_admit() {
+        let (leased, plain, _) = fleet(LeaseConfig::fixed(10));
+        let key = Key::new("k");
+        for _ in 0..88 {
+            assert!(plain.consume(&key, 1).await.unwrap().allowed);
+        }
+        for _ in 0..7 {
+            let d = leased.consume(&key, 1).await.unwrap();
+            assert_eq!(d.source, Source::Lease);
+        }
+        // The block holds 3; the store 2.
+        assert_eq!(plain.peek(&key).await.unwrap().remaining, 2);
+        let d = leased.consume(&key, 5).await.unwrap();
+        assert!(d.allowed, "3 in the old block and 2 in the store: {d:?}");
+        assert_eq!(plain.peek(&key).await.unwrap().remaining, 0);
+        let d = leased.consume(&key, 1).await.unwrap();
+        assert!(!d.allowed, "all 100 taken");
     }
 
     #[tokio::test(start_paused = true)]
