@@ -1,6 +1,7 @@
 //! Cluster maintenance is not an outage: slots moved under load (`redis-cli --cluster reshard`),
 //! a master added and the slots rebalanced onto it cost no policy decision and no lost count;
-//! a master failing over to its replica costs only its own keys a short window, measured.
+//! a master failing over to its replica (killed, or hung) costs only its own keys a short
+//! window, measured.
 
 mod support;
 
@@ -277,13 +278,22 @@ async fn a_master_added_under_load_costs_no_policy_decision() {
     assert_exact(&out, 30);
 }
 
-/// Three masters with a replica each; under load, one master is killed. Its keys follow the
-/// policy until its replica is promoted, then decide on the new master with no restart; the
-/// other masters' keys never notice. Prints the recovery time and the counts lost to
-/// asynchronous replication.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_master_failover_costs_only_its_keys_a_short_window() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+/// Three masters with a replica each, two instances under load; one master is taken away
+/// (killed, or hung) and the load goes on for `after`. What happened to every key, which keys
+/// were on the victim, and when it was taken away.
+struct Failover {
+    /// Kept running until the checks are done.
+    _cluster: RedisCluster,
+    fleet: Vec<Limiter>,
+    keys: Vec<Key>,
+    on_victim: Vec<bool>,
+    before: Outcome,
+    out: Outcome,
+    cut_at: Instant,
+    healthy_failures: Vec<(usize, String)>,
+}
+
+async fn fail_over(cut: fn(&mut RedisCluster, usize), after: Duration) -> Failover {
     log_store_failures();
     let mut cluster = RedisCluster::start_with_replicas(1, 1_000);
     // Every replica in sync with its master (a replica that never synced may not fail over).
@@ -302,72 +312,122 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
     let keys = keys();
     let store_for_slots = RedisStore::cluster(&cluster.urls()).await.unwrap();
     let [rule, _] = rules(1_000_000);
-    let owner = |k: &Key| {
-        cluster.node_for_slot(fleetlimit::store::redis::slot(
-            &store_for_slots.key_for(&rule, k),
-        ))
-    };
-    let victim = owner(&keys[0]);
-    let on_victim: Vec<bool> = keys.iter().map(|k| owner(k) == victim).collect();
+    let slot_of = |k: &Key| fleetlimit::store::redis::slot(&store_for_slots.key_for(&rule, k));
+    let victim = cluster.node_for_slot(slot_of(&keys[0]));
+    let on_victim: Vec<bool> = keys
+        .iter()
+        .map(|k| cluster.node_for_slot(slot_of(k)) == victim)
+        .collect();
     // Load before the failure: everything is counted by the store.
     let before = under_load(&fleet, &keys, 500, || Ok(())).await;
     assert_only_missed_deadlines(&before, "before the failover");
     log_store_failures();
-    let killed = Instant::now();
-    cluster.kill_node(victim);
+    let cut_at = Instant::now();
+    cut(&mut cluster, victim);
     let out = under_load(&fleet, &keys, 300, move || {
-        std::thread::sleep(Duration::from_secs(8));
+        std::thread::sleep(after);
         Ok(())
     })
     .await;
-    // The healthy masters' keys never notice: no failure but a missed deadline on their slots,
-    // and no more of those than contention allows.
     let healthy_slots: std::collections::HashSet<usize> = keys
         .iter()
         .zip(&on_victim)
         .filter(|(_, on)| !**on)
-        .map(|(k, _)| fleetlimit::store::redis::slot(&store_for_slots.key_for(&rule, k)) as usize)
+        .map(|(k, _)| slot_of(k) as usize)
         .collect();
-    let healthy_failures: Vec<_> = store_failures()
+    let healthy_failures = store_failures()
         .into_iter()
         .filter(|(slot, e)| healthy_slots.contains(slot) && !is_missed_deadline(e))
         .collect();
-    assert!(
-        healthy_failures.is_empty(),
-        "healthy masters' keys failed: {:?}",
-        &healthy_failures[..healthy_failures.len().min(5)]
-    );
-    let healthy_degraded: u64 = out
-        .degraded
-        .iter()
-        .zip(&on_victim)
-        .filter(|(_, on)| !**on)
-        .map(|(t, _)| t.len() as u64)
-        .sum();
-    assert!(
-        healthy_degraded * 100 <= out.decisions,
-        "{healthy_degraded} decisions on healthy masters left to the policy"
-    );
-    let on_dead_master = || {
-        out.degraded
+    Failover {
+        _cluster: cluster,
+        fleet,
+        keys,
+        on_victim,
+        before,
+        out,
+        cut_at,
+        healthy_failures,
+    }
+}
+
+impl Failover {
+    /// The other masters' keys never notice: no failure but a missed deadline on their slots,
+    /// and no more of those than contention allows.
+    fn assert_healthy_masters_unaffected(&self) {
+        assert!(
+            self.healthy_failures.is_empty(),
+            "healthy masters' keys failed: {:?}",
+            &self.healthy_failures[..self.healthy_failures.len().min(5)]
+        );
+        let healthy_degraded: u64 = self
+            .out
+            .degraded
             .iter()
-            .zip(&on_victim)
+            .zip(&self.on_victim)
+            .filter(|(_, on)| !**on)
+            .map(|(t, _)| t.len() as u64)
+            .sum();
+        assert!(
+            healthy_degraded * 100 <= self.out.decisions,
+            "{healthy_degraded} decisions on healthy masters left to the policy"
+        );
+    }
+
+    /// The victim's keys followed the policy for a while, then came back to the store (a
+    /// decision by the promoted replica after their last policy decision): how long after the
+    /// victim was taken away.
+    fn recovery(&self) -> Duration {
+        let on_victim = |per_key: &[Vec<Instant>]| -> Vec<Instant> {
+            per_key
+                .iter()
+                .zip(&self.on_victim)
+                .filter(|(_, on)| **on)
+                .flat_map(|(t, _)| t.iter().copied())
+                .collect()
+        };
+        let last_degraded = on_victim(&self.out.degraded).into_iter().max();
+        assert!(
+            last_degraded.is_some(),
+            "the lost master's keys followed the policy for a while"
+        );
+        let back = self
+            .out
+            .last_decided
+            .iter()
+            .zip(&self.on_victim)
             .filter(|(_, on)| **on)
-            .flat_map(|(t, _)| t)
-    };
-    let last_degraded = on_dead_master().max().copied();
-    let recovery = last_degraded.map_or(Duration::ZERO, |t| t.duration_since(killed));
+            .filter_map(|(t, _)| *t)
+            .max();
+        assert!(
+            back.is_some_and(|back| last_degraded.is_none_or(|d| back > d)),
+            "the lost master's keys never came back to the store"
+        );
+        last_degraded.map_or(Duration::ZERO, |t| t.duration_since(self.cut_at))
+    }
+}
+
+/// Three masters with a replica each; under load, one master is killed. Its keys follow the
+/// policy until its replica is promoted, then decide on the new master with no restart; the
+/// other masters' keys never notice. Prints the recovery time and the counts lost to
+/// asynchronous replication.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_failover_costs_only_its_keys_a_short_window() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let f = fail_over(RedisCluster::kill_node, Duration::from_secs(8)).await;
+    f.assert_healthy_masters_unaffected();
+    let recovery = f.recovery();
     // What the promoted replica counts, against what the store acknowledged.
-    let probe = &fleet[0];
+    let probe = &f.fleet[0];
     // A call abandoned at the deadline may still have run and been replicated: counted, not
     // acknowledged.
     let (mut acknowledged, mut abandoned, mut counted) = (0u64, 0u64, 0u64);
-    for (k, key) in keys.iter().enumerate() {
-        if !on_victim[k] {
+    for (k, key) in f.keys.iter().enumerate() {
+        if !f.on_victim[k] {
             continue;
         }
-        acknowledged += before.admitted[k] + out.admitted[k];
-        abandoned += (before.degraded[k].len() + out.degraded[k].len()) as u64;
+        acknowledged += f.before.admitted[k] + f.out.admitted[k];
+        abandoned += (f.before.degraded[k].len() + f.out.degraded[k].len()) as u64;
         counted += 1_000_000 - probe.peek(key).await.unwrap().remaining;
     }
     let lost = acknowledged.saturating_sub(counted);
@@ -377,28 +437,32 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
          {lost} lost to asynchronous replication"
     );
     assert!(
-        on_dead_master().next().is_some(),
-        "the dead master's keys followed the policy for a while"
-    );
-    // Back on the store: a victim key decided by the promoted replica after its last policy
-    // decision, within a few node timeouts (the load ran 8 s after the kill).
-    let back = out
-        .last_decided
-        .iter()
-        .zip(&on_victim)
-        .filter(|(_, on)| **on)
-        .filter_map(|(t, _)| *t)
-        .max();
-    assert!(
-        back.is_some_and(|back| last_degraded.is_none_or(|d| back > d)),
-        "the dead master's keys never came back to the store"
-    );
-    assert!(
         recovery < Duration::from_secs(6),
         "recovered only after {recovery:?}"
     );
     assert!(
         counted <= acknowledged + abandoned,
         "{counted} counted, {acknowledged} acknowledged, {abandoned} abandoned"
+    );
+}
+
+/// The same master hung instead (stopped: its connections stay open and answer nothing, as
+/// across a partition). No call fails, each is abandoned at its deadline; the store asks the
+/// other masters for the slot map, sees the replica promoted, and connects to it in the
+/// background, while the other masters' keys go on being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_master_is_replaced_by_its_promoted_replica() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let hang = |cluster: &mut RedisCluster, victim: usize| cluster.nodes()[victim].pause();
+    let f = fail_over(hang, Duration::from_secs(12)).await;
+    f.assert_healthy_masters_unaffected();
+    let recovery = f.recovery();
+    eprintln!(
+        "cluster master hung: keys back on the promoted replica {recovery:?} after it stopped \
+         (node timeout 1 s)"
+    );
+    assert!(
+        recovery < Duration::from_secs(10),
+        "recovered only after {recovery:?}"
     );
 }

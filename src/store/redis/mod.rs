@@ -129,8 +129,9 @@ enum Conn {
         client: Box<redis::Client>,
         conn: Arc<Connector<ConnectionManager>>,
     },
-    /// A cluster connection, made again (with a fresh slot map) after it fails: a master that
-    /// failed over lives at another address, which a new connection learns.
+    /// A cluster connection, made again (with a fresh slot map) after it fails, or in the
+    /// background when a hung master's replica has taken over: a master that failed over
+    /// lives at another address, which a new connection learns.
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
         conn: Arc<Connector<ClusterConnection>>,
@@ -160,6 +161,9 @@ struct Masters {
     addresses: parking_lot::Mutex<Vec<String>>,
     /// Each slot's master number; [`Masters::UNKNOWN`] until a map is learnt.
     of_slot: arc_swap::ArcSwap<Vec<u8>>,
+    /// When a call abandoned at its deadline last made the store ask the cluster whether a
+    /// master was replaced (see [`Inner::suspect_hung_master`]).
+    asked_at: parking_lot::Mutex<Option<std::time::Instant>>,
 }
 
 impl Masters {
@@ -236,6 +240,39 @@ impl Masters {
         self.of_slot.store(Arc::new(of_slot));
     }
 
+    /// The address of `slot`'s master, if known.
+    fn address_of(&self, slot: u16) -> Option<String> {
+        let number = *self.of_slot.load().get(usize::from(slot))?;
+        self.addresses.lock().get(usize::from(number)).cloned()
+    }
+
+    /// Whether a `CLUSTER SLOTS` answer gives some slot another master than this map does (a
+    /// slot this map does not know counts, one the answer does not name does not).
+    fn differs(&self, answer: &redis::Value) -> bool {
+        let seen = Masters::default();
+        seen.learn(answer);
+        let (ours, theirs) = (self.of_slot.load(), seen.of_slot.load());
+        let (our_addresses, their_addresses) = (self.addresses.lock(), seen.addresses.lock());
+        let address =
+            |addresses: &Vec<String>, number: u8| addresses.get(usize::from(number)).cloned();
+        theirs.iter().enumerate().any(|(slot, &their)| {
+            their != Self::UNKNOWN
+                && address(&their_addresses, their)
+                    != ours.get(slot).and_then(|&our| address(&our_addresses, our))
+        })
+    }
+
+    /// Whether a suspicion may be checked now: at most one check a second.
+    fn may_ask(&self) -> bool {
+        let mut asked_at = self.asked_at.lock();
+        let now = std::time::Instant::now();
+        if asked_at.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+            return false;
+        }
+        *asked_at = Some(now);
+        true
+    }
+
     /// A MOVED answer: `slot` is now served at `address`.
     fn moved(&self, slot: u16, address: &str) {
         let mut addresses = self.addresses.lock();
@@ -301,20 +338,7 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
             match attempt.as_ref() {
                 Some(outcome) => (outcome.clone(), None),
                 None => {
-                    let (publish, outcome) = tokio::sync::watch::channel(None);
-                    *attempt = Some(outcome.clone());
-                    let ends = EndsAttempt(self.clone(), outcome.clone());
-                    let work = connect();
-                    let run = async move {
-                        let result = tokio::time::timeout(limit, work)
-                            .await
-                            .unwrap_or(Err(StoreError::Timeout(limit)));
-                        if let Ok(conn) = &result {
-                            ends.0.current.store(Some(Arc::new(conn.clone())));
-                        }
-                        drop(ends);
-                        let _ = publish.send(Some(result));
-                    };
+                    let (outcome, run) = self.start(&mut attempt, limit, connect());
                     (outcome, Some(run))
                 }
             }
@@ -335,6 +359,56 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
             Some(result) => result.clone(),
             None => Err(StoreError::Connection("no connection".into())),
         }
+    }
+}
+
+impl<C: Clone + Send + Sync + 'static> Connector<C> {
+    /// A new attempt, recorded in `attempt` (held locked): its outcome, and the work to run,
+    /// which publishes the connection it makes.
+    fn start<F>(
+        self: &Arc<Self>,
+        attempt: &mut Option<Outcome<C>>,
+        limit: Duration,
+        work: F,
+    ) -> (
+        Outcome<C>,
+        impl std::future::Future<Output = ()> + Send + 'static,
+    )
+    where
+        F: std::future::Future<Output = Result<C, StoreError>> + Send + 'static,
+    {
+        let (publish, outcome) = tokio::sync::watch::channel(None);
+        *attempt = Some(outcome.clone());
+        let ends = EndsAttempt(self.clone(), outcome.clone());
+        let run = async move {
+            let result = tokio::time::timeout(limit, work)
+                .await
+                .unwrap_or(Err(StoreError::Timeout(limit)));
+            if let Ok(conn) = &result {
+                ends.0.current.store(Some(Arc::new(conn.clone())));
+            }
+            drop(ends);
+            let _ = publish.send(Some(result));
+        };
+        (outcome, run)
+    }
+
+    /// Make a new connection in the background, by `connect` (within `limit`), while the
+    /// current one goes on serving its calls: it takes over once made, and a failed attempt
+    /// changes nothing. Nothing is started while another attempt is in flight.
+    fn replace<F>(self: &Arc<Self>, limit: Duration, connect: impl FnOnce() -> F)
+    where
+        F: std::future::Future<Output = Result<C, StoreError>> + Send + 'static,
+    {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut attempt = self.attempt.lock();
+        if attempt.is_some() {
+            return;
+        }
+        let (_, run) = self.start(&mut attempt, limit, connect());
+        runtime.spawn(run);
     }
 }
 
@@ -969,6 +1043,78 @@ async fn send(
         })
 }
 
+/// A new cluster connection, each master checked and the slot map learnt, each step within
+/// `limit`.
+async fn connect_cluster(
+    client: redis::cluster::ClusterClient,
+    masters: Arc<Masters>,
+    limit: Duration,
+) -> Result<ClusterConnection, StoreError> {
+    let conn = client.get_async_connection().await.map_err(store_error)?;
+    check_version(&mut conn.clone(), limit).await?;
+    learn_masters(&conn, &masters, limit).await;
+    Ok(conn)
+}
+
+/// How long connecting to a cluster may take: redis-rs waits for every node, each up to the
+/// connect timeout (a hung one takes all of it); then each master is asked its version, as long
+/// again; then one node its slot map (one round trip, as long again at worst).
+fn cluster_attempt(connect_timeout: Duration) -> Duration {
+    connect_timeout.saturating_mul(3)
+}
+
+/// Ask the masters other than `suspect`, one by one, for the slot map (each within `limit`);
+/// the first that answers says whether the map changed: if it did (the suspect's replica was
+/// promoted), a new connection is made in the background and takes over once ready, while the
+/// current one goes on serving the other masters' slots.
+async fn look_past(
+    client: redis::cluster::ClusterClient,
+    conn: Arc<Connector<ClusterConnection>>,
+    masters: Arc<Masters>,
+    suspect: Option<String>,
+    limit: Duration,
+) {
+    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+    let Some(current) = conn.current() else {
+        return;
+    };
+    let others: Vec<String> = masters
+        .addresses
+        .lock()
+        .iter()
+        .filter(|a| Some(*a) != suspect.as_ref())
+        .cloned()
+        .collect();
+    for address in others {
+        let Some((host, port)) = address
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
+        else {
+            continue;
+        };
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let mut ask = current.clone();
+        let node = SingleNodeRoutingInfo::ByAddress { host, port };
+        let answer = ask.route_command(cmd, RoutingInfo::SingleNode(node));
+        let Ok(Ok(answer)) = tokio::time::timeout(limit, answer).await else {
+            continue;
+        };
+        if masters.differs(&answer) {
+            tracing::info!(
+                suspect = suspect.as_deref().unwrap_or("?"),
+                asked = %address,
+                "fleetlimit: calls to a cluster master go unanswered and the slot map changed; connecting again in the background"
+            );
+            let masters = masters.clone();
+            conn.replace(cluster_attempt(limit), || {
+                connect_cluster(client, masters, limit)
+            });
+        }
+        return;
+    }
+}
+
 /// Learn which master serves each slot, from any node, within `limit`; a node that cannot say
 /// leaves the map as it was (each slot then keeps a breaker of its own until one can).
 async fn learn_masters(conn: &ClusterConnection, masters: &Masters, limit: Duration) {
@@ -1079,7 +1225,48 @@ fn store_error(e: RedisError) -> StoreError {
     }
 }
 
+/// Armed while a cluster call on `slot` runs: dropped armed, the call was abandoned (its
+/// decision's deadline passed), and its master may be hung.
+struct Unanswered<'a>(Option<(&'a Inner, u16)>);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some((store, slot)) = self.0 {
+            store.suspect_hung_master(slot);
+        }
+    }
+}
+
 impl Inner {
+    /// A cluster call on `slot` went unanswered to its deadline. A master that hangs without
+    /// failing (stopped, partitioned) breaks no connection, so nothing else would make the
+    /// store learn that its replica has taken over: at most once a second, the other masters
+    /// are asked for the slot map in the background, and a changed map is connected to anew
+    /// (see [`look_past`]).
+    fn suspect_hung_master(&self, slot: u16) {
+        let Conn::Cluster {
+            client,
+            conn,
+            masters,
+        } = &self.conn
+        else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !masters.may_ask() {
+            return;
+        }
+        runtime.spawn(look_past(
+            client.as_ref().clone(),
+            conn.clone(),
+            masters.clone(),
+            masters.address_of(slot),
+            self.connect_timeout,
+        ));
+    }
+
     /// The cluster's master map (an empty one for other connections, which never use it).
     fn masters(&self) -> &Masters {
         static NONE: std::sync::OnceLock<Masters> = std::sync::OnceLock::new();
@@ -1167,9 +1354,11 @@ impl Inner {
         let result = match self.connection().await? {
             Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
             Ready::Cluster(mut conn) => {
-                let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
-                let hash = self.script.get_hash();
                 let slot = keys.first().map_or(0, |k| slot(k));
+                let mut unanswered = Unanswered(Some((self, slot)));
+                let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
+                unanswered.0 = None;
+                let hash = self.script.get_hash();
                 let again = |conn, node, asking| run_on(conn, node, asking, hash, &keys, &args);
                 // While a slot migrates, Redis refuses a call on several keys of which some
                 // have moved and some have not (TRYAGAIN) until the migration ends, and the
@@ -1277,7 +1466,10 @@ impl Inner {
         Ok(match self.connection().await? {
             Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
             Ready::Cluster(mut conn) => {
+                let slot = command_slot(&cmd);
+                let mut unanswered = Unanswered(Some((self, slot)));
                 let first = cmd.query_async::<redis::Value>(&mut conn).await;
+                unanswered.0 = None;
                 // A moved slot is followed, and the next call connects again to learn the slot
                 // map (an ASK, a migration under way, is only followed).
                 let moved = first
@@ -1287,7 +1479,6 @@ impl Inner {
                     let cmd = cmd.clone();
                     async move { send(&mut conn, &node, asking, cmd).await }
                 };
-                let slot = command_slot(&cmd);
                 let masters = self.masters();
                 let result =
                     follow_redirections(&mut conn, masters, slot, false, first, again).await;
@@ -1399,20 +1590,10 @@ impl Inner {
                 conn,
                 masters,
             } => {
-                let connect = || {
-                    let (client, masters) = (client.as_ref().clone(), masters.clone());
-                    async move {
-                        let conn = client.get_async_connection().await.map_err(store_error)?;
-                        check_version(&mut conn.clone(), limit).await?;
-                        learn_masters(&conn, &masters, limit).await;
-                        Ok(conn)
-                    }
-                };
-                // redis-rs waits for every node, each up to the connect timeout (a hung one
-                // takes all of it); then each master is asked its version, as long again; then one
-                // node its slot map (one round trip, as long again at worst).
-                let attempt = limit.saturating_mul(3);
-                Ok(Ready::Cluster(conn.get(attempt, connect).await?))
+                let connect = || connect_cluster(client.as_ref().clone(), masters.clone(), limit);
+                Ok(Ready::Cluster(
+                    conn.get(cluster_attempt(limit), connect).await?,
+                ))
             }
             Conn::Pool { pool, conn } => {
                 let connect = || {
@@ -1768,6 +1949,87 @@ mod tests {
             connector.get(Duration::from_secs(1), ready).await
         });
         assert_eq!(made.ok(), Some(7));
+    }
+
+    /// A replacement is made in the background while the current connection goes on serving;
+    /// it takes over once made, and a failed one changes nothing.
+    #[test]
+    fn a_replacement_takes_over_only_once_made() {
+        let connector: Arc<Connector<u32>> = Connector::new();
+        runtime().block_on(async {
+            let first = || async { Ok::<u32, StoreError>(1) };
+            assert_eq!(
+                connector.get(Duration::from_secs(1), first).await.ok(),
+                Some(1)
+            );
+            let failing = || async { Err::<u32, StoreError>(StoreError::Connection("no".into())) };
+            connector.replace(Duration::from_secs(1), failing);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert_eq!(
+                connector.current(),
+                Some(1),
+                "a failed replacement changes nothing"
+            );
+            let slow = || async {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Ok::<u32, StoreError>(2)
+            };
+            connector.replace(Duration::from_secs(1), slow);
+            let ignored = || async { Ok::<u32, StoreError>(3) };
+            connector.replace(Duration::from_secs(1), ignored);
+            assert_eq!(connector.current(), Some(1), "serving while it is made");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert_eq!(connector.current(), Some(2), "one attempt at a time");
+        });
+    }
+
+    /// `CLUSTER SLOTS` as Redis answers it: `[first, last, [host, port]]` per range.
+    fn slots_answer(ranges: &[(i64, i64, &str, i64)]) -> redis::Value {
+        use redis::Value;
+        Value::Array(
+            ranges
+                .iter()
+                .map(|&(first, last, host, port)| {
+                    Value::Array(vec![
+                        Value::Int(first),
+                        Value::Int(last),
+                        Value::Array(vec![
+                            Value::BulkString(host.as_bytes().to_vec()),
+                            Value::Int(port),
+                        ]),
+                    ])
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_slot_map_differs_when_a_slot_has_another_master() {
+        let masters = Masters::default();
+        let map = [
+            (0, 8_191, "10.0.0.1", 7000),
+            (8_192, 16_383, "10.0.0.2", 7000),
+        ];
+        masters.learn(&slots_answer(&map));
+        assert!(!masters.differs(&slots_answer(&map)));
+        let promoted = [
+            (0, 8_191, "10.0.0.3", 7000),
+            (8_192, 16_383, "10.0.0.2", 7000),
+        ];
+        assert!(masters.differs(&slots_answer(&promoted)));
+        let part = [(8_192, 16_383, "10.0.0.2", 7000)];
+        assert!(
+            !masters.differs(&slots_answer(&part)),
+            "unnamed slots count for nothing"
+        );
+        assert!(
+            !masters.differs(&redis::Value::Nil),
+            "nor does a malformed answer"
+        );
+        assert!(
+            Masters::default().differs(&slots_answer(&map)),
+            "a map unknown until now"
+        );
     }
 
     /// Callers that give up waiting stop nothing: the connection is made, and found.
