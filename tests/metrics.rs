@@ -177,10 +177,10 @@ async fn a_known_traffic_pattern_gives_exact_counts() {
     assert_eq!(samples() - samples_before, made as f64);
 
     // Two more limiters whose breakers open: the process-wide gauge counts both (each limiter
-    // adds its own), and reading the stats brings it up to date.
+    // adds its own), and reading the stats brings it up to date. The limiters above are
+    // dropped first: their breakers' cool-downs end meanwhile, and the gauge follows.
     let gauge = || count("fleetlimit_breakers_open", &[]);
-    open.stats();
-    local.stats();
+    drop((open, local));
     let before = gauge();
     let stays_open = |name: &str| {
         let (url, rule) = (url.clone(), rule(name, 5));

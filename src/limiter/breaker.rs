@@ -222,8 +222,13 @@ impl Breakers {
 
     /// The watch ends: true, unless a breaker opened meanwhile and the watch goes on.
     pub(crate) fn end_watch(&self) -> bool {
-        self.watching.store(false, Ordering::Release);
+        self.give_up_watch();
         !self.claim_watch()
+    }
+
+    /// The watch's task is gone.
+    pub(crate) fn give_up_watch(&self) {
+        self.watching.store(false, Ordering::Release);
     }
 
     /// Run a store call for `domain` through its breaker, within the decision's deadline.
@@ -320,20 +325,19 @@ impl Breakers {
 mod tests {
     use super::*;
 
-    /// A store that answers no call within the deadline opens the breaker, and nothing comes
-    /// after: the gauge shows it closed once its cool-down has ended (on paused Tokio time).
+    /// A limiter on a store that answers no call within its deadline, failing open, whose
+    /// breaker opens at the first failure for 250 ms, on Tokio's (paused) time.
     #[cfg(feature = "metrics")]
-    #[tokio::test(start_paused = true)]
-    async fn an_idle_cool_down_ends_on_the_gauge() {
+    fn unanswered() -> crate::Limiter {
         use crate::store::testing::{Link, TokioClock};
-        use crate::{Key, Limiter, MemoryStore, OnStoreError, Quota, Rule};
+        use crate::{Limiter, MemoryStore, OnStoreError, Quota, Rule};
         let link = Link {
             store: MemoryStore::new(),
             delay: Duration::from_secs(1),
             reply_after: Duration::ZERO,
             lost_renewals: Default::default(),
         };
-        let limiter = Limiter::builder(link)
+        Limiter::builder(link)
             .rule(Rule::new("r", Quota::per_second(10).build().unwrap()).unwrap())
             .on_store_error(OnStoreError::FailOpen)
             .deadline(Duration::from_millis(10))
@@ -343,9 +347,17 @@ mod tests {
             })
             .clock(TokioClock::new())
             .build()
-            .unwrap();
-        let d = limiter.consume(&Key::new("k"), 1).await.unwrap();
-        assert!(d.degraded);
+            .unwrap()
+    }
+
+    /// The breaker opens, and nothing comes after: the gauge shows it closed once its
+    /// cool-down has ended.
+    #[cfg(feature = "metrics")]
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_cool_down_ends_on_the_gauge() {
+        let limiter = unanswered();
+        let key = crate::Key::new("k");
+        assert!(limiter.consume(&key, 1).await.unwrap().degraded);
         let breakers = &limiter.inner.breakers;
         assert_eq!(breakers.reported(), 1, "opened");
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -357,10 +369,37 @@ mod tests {
             "the cool-down ended with no request"
         );
         // It opens again, and is watched again.
-        assert!(limiter.consume(&Key::new("k"), 1).await.unwrap().degraded);
+        assert!(limiter.consume(&key, 1).await.unwrap().degraded);
         assert_eq!(breakers.reported(), 1, "opened again");
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(breakers.reported(), 0);
+    }
+
+    /// A watch whose task dies with its runtime is given up: the next opening, on another
+    /// runtime, is watched again.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn a_watch_dropped_with_its_runtime_is_given_up() {
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .unwrap()
+        };
+        let key = crate::Key::new("k");
+        let first = runtime();
+        let limiter = first.block_on(async {
+            let limiter = unanswered();
+            assert!(limiter.consume(&key, 1).await.unwrap().degraded);
+            limiter
+        });
+        assert!(limiter.inner.breakers.watching.load(Ordering::Acquire));
+        drop(first);
+        assert!(
+            !limiter.inner.breakers.watching.load(Ordering::Acquire),
+            "given up with its task"
+        );
     }
 
     #[test]

@@ -52,14 +52,16 @@ pub(crate) struct DenialCache {
     /// Denials held, over every shard (kept by [`Locked`]): an admission, which may lift one,
     /// looks no further while there are none, as is nearly always so.
     held: AtomicUsize,
-    /// Moved on by every [`forget`](DenialCache::forget) and [`clear`](DenialCache::clear): a
-    /// denial answering a call asked before one (see [`Asked`]) is not remembered. A reply still
-    /// in flight when a key is reset or unblocked would otherwise put the refusal the reset
-    /// lifted back, for up to `max_age`, or through an outage to its old retry time.
-    generation: AtomicU64,
+    /// Per shard, moved on by every [`forget`](DenialCache::forget) of a key of the shard and
+    /// by [`clear`](DenialCache::clear): a denial answering a call asked before one (see
+    /// [`Asked`]) is not remembered. A reply still in flight when a key is reset or unblocked
+    /// would otherwise put the refusal the reset lifted back, for up to `max_age`, or through an
+    /// outage to its old retry time. Per shard, so that a flood of forgets (the penalty box
+    /// blocking keys under attack) keeps the other keys' refusals coming in.
+    generations: Box<[AtomicU64]>,
 }
 
-/// When a store call was asked: the limiter's clock, and the cache's
+/// When a store call was asked: the limiter's clock, and the key's
 /// [`generation`](DenialCache::generation) then.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Asked {
@@ -108,13 +110,19 @@ impl DenialCache {
             max_age: micros(max_age),
             hasher: hashbrown::DefaultHashBuilder::default(),
             held: AtomicUsize::new(0),
-            generation: AtomicU64::new(0),
+            generations: (0..SHARDS).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
-    /// The current generation, to stamp a call with before it is asked.
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation.load(Ordering::SeqCst)
+    /// `key`'s generation, to stamp a call with before it is asked.
+    pub(crate) fn generation(&self, key: &Key) -> u64 {
+        self.generations[self.index(key)].load(Ordering::SeqCst)
+    }
+
+    /// A key's shard: every rule's denial of one key in one shard, so that forgetting a key
+    /// takes one lock.
+    fn index(&self, key: &Key) -> usize {
+        self.hasher.hash_one(key) as usize % self.shards.len()
     }
 
     fn lock<'a>(&'a self, shard: &'a Shard) -> Locked<'a> {
@@ -127,8 +135,7 @@ impl DenialCache {
     }
 
     fn shard(&self, key: &SlotKey) -> Locked<'_> {
-        let i = self.hasher.hash_one(key) as usize % self.shards.len();
-        self.lock(&self.shards[i])
+        self.lock(&self.shards[self.index(&key.1)])
     }
 
     /// Whether no denial is held: an admission then has none to lift.
@@ -188,8 +195,8 @@ impl DenialCache {
         let reset_at = asked_at.saturating_add(micros(d.reset_after));
         let mut shard = self.shard(&key);
         // Read under the shard's lock: a forget moves the generation on before it takes the
-        // shards' locks, so either this sees it or the forget removes what this inserts.
-        if self.generation() != asked.generation {
+        // shard's lock, so either this sees it or the forget removes what this inserts.
+        if self.generation(&key.1) != asked.generation {
             return;
         }
         if shard.len() >= self.per_shard && !shard.contains_key(&key) {
@@ -235,18 +242,17 @@ impl DenialCache {
 
     /// Forget every remembered denial (the quotas changed).
     pub(crate) fn clear(&self) {
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        for shard in self.shards.iter() {
+        for (shard, generation) in self.shards.iter().zip(self.generations.iter()) {
+            generation.fetch_add(1, Ordering::SeqCst);
             self.lock(shard).clear();
         }
     }
 
     /// Forget everything remembered about `key` under every rule.
     pub(crate) fn forget(&self, key: &Key) {
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        for shard in self.shards.iter() {
-            self.lock(shard).retain(|(_, k), _| k != key);
-        }
+        let i = self.index(key);
+        self.generations[i].fetch_add(1, Ordering::SeqCst);
+        self.lock(&self.shards[i]).retain(|(_, k), _| k != key);
     }
 }
 
@@ -254,11 +260,11 @@ impl DenialCache {
 mod tests {
     use super::*;
 
-    /// A call asked at `t` (µs), stamped with the cache's generation now.
-    fn asked(c: &DenialCache, t: u64) -> Asked {
+    /// A call for `key` asked at `t` (µs), stamped with its generation now.
+    fn asked(c: &DenialCache, key: &SlotKey, t: u64) -> Asked {
         Asked {
             at: t,
-            generation: c.generation(),
+            generation: c.generation(&key.1),
         }
     }
 
@@ -275,7 +281,7 @@ mod tests {
     fn answers_the_same_cost_with_waits_counted_down() {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
-        c.remember(k.clone(), 2, &denial(1_000, 4_000), asked(&c, 0));
+        c.remember(k.clone(), 2, &denial(1_000, 4_000), asked(&c, &k, 0));
         let d = c.get(&k, 2, 250_000).unwrap();
         assert_eq!(d.retry_after, Some(Duration::from_millis(750)));
         assert_eq!(d.reset_after, Duration::from_millis(3_750));
@@ -306,18 +312,18 @@ mod tests {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
         let admit = Decision::admit(10, 5, Duration::ZERO);
-        c.remember(k.clone(), 5, &denial(30_000, 60_000), asked(&c, 1_000));
-        c.remember(k.clone(), 5, &admit, asked(&c, 500));
+        c.remember(k.clone(), 5, &denial(30_000, 60_000), asked(&c, &k, 1_000));
+        c.remember(k.clone(), 5, &admit, asked(&c, &k, 500));
         assert!(
             c.get_in_outage(&k, 5, 2_000).is_some(),
             "asked before the denial"
         );
-        c.remember(k.clone(), 1, &admit, asked(&c, 1_500));
+        c.remember(k.clone(), 1, &admit, asked(&c, &k, 1_500));
         assert!(
             c.get_in_outage(&k, 5, 2_000).is_some(),
             "a smaller cost proves nothing"
         );
-        c.remember(k.clone(), 5, &admit, asked(&c, 1_500));
+        c.remember(k.clone(), 5, &admit, asked(&c, &k, 1_500));
         assert!(
             c.get_in_outage(&k, 5, 2_000).is_none(),
             "the same cost fits again"
@@ -326,8 +332,8 @@ mod tests {
             listed: crate::decision::ByListing::DENY,
             ..denial(86_400_000, 86_400_000)
         };
-        c.remember(k.clone(), 5, &listed, asked(&c, 3_000));
-        c.remember(k.clone(), 1, &admit, asked(&c, 3_500));
+        c.remember(k.clone(), 5, &listed, asked(&c, &k, 3_000));
+        c.remember(k.clone(), 1, &admit, asked(&c, &k, 3_500));
         assert!(
             c.get_in_outage(&k, 5, 4_000).is_none(),
             "the listing is gone"
@@ -341,23 +347,23 @@ mod tests {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let (a, b) = ((0, Key::new("a")), (0, Key::new("b")));
         assert!(c.is_empty());
-        c.remember(a.clone(), 1, &denial(1_000, 1_000), asked(&c, 0));
-        c.remember(a.clone(), 1, &denial(1_000, 1_000), asked(&c, 10));
-        c.remember(b.clone(), 1, &denial(1_000, 1_000), asked(&c, 0));
+        c.remember(a.clone(), 1, &denial(1_000, 1_000), asked(&c, &a, 0));
+        c.remember(a.clone(), 1, &denial(1_000, 1_000), asked(&c, &a, 10));
+        c.remember(b.clone(), 1, &denial(1_000, 1_000), asked(&c, &b, 0));
         assert_eq!(c.held.load(Ordering::Relaxed), 2, "a key counts once");
         c.remember(
             a.clone(),
             1,
             &Decision::admit(10, 5, Duration::ZERO),
-            asked(&c, 20),
+            asked(&c, &a, 20),
         );
         assert_eq!(c.held.load(Ordering::Relaxed), 1, "lifted");
         assert!(c.get(&b, 1, 2_000_000).is_none());
         assert!(c.is_empty(), "over its time");
-        c.remember(b.clone(), 1, &denial(1_000, 1_000), asked(&c, 0));
+        c.remember(b.clone(), 1, &denial(1_000, 1_000), asked(&c, &b, 0));
         c.forget(&Key::new("b"));
         assert!(c.is_empty(), "forgotten");
-        c.remember(b, 1, &denial(1_000, 1_000), asked(&c, 0));
+        c.remember(b.clone(), 1, &denial(1_000, 1_000), asked(&c, &b, 0));
         c.clear();
         assert!(c.is_empty(), "cleared");
     }
@@ -368,16 +374,28 @@ mod tests {
     fn a_denial_asked_before_a_forget_is_not_remembered() {
         let c = DenialCache::new(100, Duration::from_secs(60));
         let k = (0, Key::new("k"));
-        let in_flight = asked(&c, 0);
+        let in_flight = asked(&c, &k, 0);
         c.forget(&Key::new("k"));
         c.remember(k.clone(), 1, &denial(30_000, 60_000), in_flight);
         assert!(c.get(&k, 1, 1).is_none(), "asked before the forget");
-        let in_flight = asked(&c, 0);
+        let in_flight = asked(&c, &k, 0);
         c.clear();
         c.remember(k.clone(), 1, &denial(30_000, 60_000), in_flight);
         assert!(c.get(&k, 1, 1).is_none(), "asked before the clear");
-        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, 0));
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, &k, 0));
         assert!(c.get(&k, 1, 1).is_some(), "asked after both");
+        // Forgetting the keys of other shards (the penalty box blocking them) leaves this
+        // one's replies in flight remembered.
+        let other = (0, Key::new("other"));
+        let in_flight = asked(&c, &other, 0);
+        for i in 0..64u32 {
+            let key = Key::new(i.to_be_bytes());
+            if c.index(&key) != c.index(&other.1) {
+                c.forget(&key);
+            }
+        }
+        c.remember(other.clone(), 1, &denial(30_000, 60_000), in_flight);
+        assert!(c.get(&other, 1, 1).is_some(), "other keys were forgotten");
     }
 
     /// The same, through a limiter: a refusal decided before a reset and answered after it is
@@ -419,7 +437,7 @@ mod tests {
     fn in_an_outage_a_denial_stands_until_the_stores_retry_time() {
         let c = DenialCache::new(100, Duration::from_secs(1));
         let k = (0, Key::new("k"));
-        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, 0));
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, &k, 0));
         assert!(
             c.get(&k, 1, 5_000_000).is_none(),
             "past max_age: ask the store"
@@ -441,7 +459,7 @@ mod tests {
     fn a_denial_is_trusted_for_max_age_at_most() {
         let c = DenialCache::new(100, Duration::from_secs(1));
         let k = (0, Key::new("k"));
-        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, 0));
+        c.remember(k.clone(), 1, &denial(30_000, 60_000), asked(&c, &k, 0));
         let d = c.get(&k, 1, 999_999).unwrap();
         assert_eq!(
             d.retry_after,
@@ -462,13 +480,13 @@ mod tests {
             k.clone(),
             1,
             &Decision::admit(10, 9, Duration::ZERO),
-            asked(&c, 0),
+            asked(&c, &k, 0),
         );
         c.remember(
             k.clone(),
             50,
             &Decision::deny(10, 0, Duration::ZERO, None),
-            asked(&c, 0),
+            asked(&c, &k, 0),
         );
         assert!(c.get(&k, 1, 1).is_none());
         assert!(c.get(&k, 50, 1).is_none());
@@ -482,7 +500,7 @@ mod tests {
                 (0, Key::new(i.to_be_bytes())),
                 1,
                 &denial(10 + i, 10 + i),
-                asked(&c, 0),
+                asked(&c, &(0, Key::new(i.to_be_bytes())), 0),
             );
         }
         let held: usize = c.shards.iter().map(|s| s.lock().unwrap().len()).sum();

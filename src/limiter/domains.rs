@@ -25,7 +25,7 @@ impl Inner {
         checks: &[Check<'_>],
         deadline: Deadline,
     ) -> Vec<Decision> {
-        let asked = self.asked();
+        let asked = self.asked(checks.first().map(|c| c.key));
         let asked_at = asked.at;
         let groups = self.domain_groups(checks.iter().map(std::slice::from_ref));
         if groups.len() <= 1 {
@@ -247,23 +247,37 @@ impl Inner {
         if !self.breakers.claim_watch() {
             return;
         }
-        let me = self.me.clone();
+        let watch = Watch(Some(self.me.clone()));
         let cool_down = self
             .breakers
             .cool_down()
             .max(std::time::Duration::from_millis(1));
         runtime.spawn(async move {
+            let mut watch = watch;
             loop {
                 tokio::time::sleep(cool_down).await;
-                let Some(inner) = me.upgrade() else {
+                let Some(inner) = watch.0.as_ref().and_then(std::sync::Weak::upgrade) else {
                     return;
                 };
                 if inner.breakers.report_open(inner.clock.now_us()) == 0
                     && inner.breakers.end_watch()
                 {
+                    watch.0 = None;
                     return;
                 }
             }
         });
+    }
+}
+
+/// The breakers' watch, held by its task: dropped before the task ended it (the runtime shut
+/// down), it gives the watch up, so that the next opening starts another.
+struct Watch(Option<std::sync::Weak<Inner>>);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.as_ref().and_then(std::sync::Weak::upgrade) {
+            inner.breakers.give_up_watch();
+        }
     }
 }

@@ -353,7 +353,7 @@ impl Inner {
         let Ok(one_at_a_time) = deadline.halfway().run(slot.refill.lock()).await else {
             return self.decide_direct(check, deadline).await;
         };
-        let asked = self.asked();
+        let asked = self.asked(Some(check.key));
         let started = asked.at;
         // Read before the rules: a block leased under quotas replaced meanwhile is stamped
         // with the old generation, and never spent.
@@ -463,7 +463,7 @@ impl Inner {
         deadline: Deadline,
     ) -> Result<Decision, Error> {
         let checks = std::slice::from_ref(check);
-        let asked = self.asked();
+        let asked = self.asked(Some(check.key));
         let asked_at = asked.at;
         match self
             .call_store(

@@ -1031,11 +1031,15 @@ impl Inner {
             .get(&(index, check.key.clone()), check.cost, now)
     }
 
-    /// When a store call is asked, for [`remember`](Inner::remember).
-    fn asked(&self) -> Asked {
+    /// When a store call for `key` (the first of its checks) is asked, for
+    /// [`remember`](Inner::remember).
+    fn asked(&self, key: Option<&Key>) -> Asked {
         Asked {
             at: self.clock.now_us(),
-            generation: self.denials.as_ref().map_or(0, |c| c.generation()),
+            generation: match (&self.denials, key) {
+                (Some(cache), Some(key)) => cache.generation(key),
+                _ => 0,
+            },
         }
     }
 

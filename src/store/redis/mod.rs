@@ -246,20 +246,13 @@ impl Masters {
         self.addresses.lock().get(usize::from(number)).cloned()
     }
 
-    /// Whether a `CLUSTER SLOTS` answer gives some slot another master than this map does (a
-    /// slot this map does not know counts, one the answer does not name does not).
-    fn differs(&self, answer: &redis::Value) -> bool {
+    /// Whether a `CLUSTER SLOTS` answer names another master for `slot` than this map does
+    /// (one this map does not know counts; an answer that names none does not).
+    fn moved_away(&self, slot: u16, answer: &redis::Value) -> bool {
         let seen = Masters::default();
         seen.learn(answer);
-        let (ours, theirs) = (self.of_slot.load(), seen.of_slot.load());
-        let (our_addresses, their_addresses) = (self.addresses.lock(), seen.addresses.lock());
-        let address =
-            |addresses: &Vec<String>, number: u8| addresses.get(usize::from(number)).cloned();
-        theirs.iter().enumerate().any(|(slot, &their)| {
-            their != Self::UNKNOWN
-                && address(&their_addresses, their)
-                    != ours.get(slot).and_then(|&our| address(&our_addresses, our))
-        })
+        seen.address_of(slot)
+            .is_some_and(|theirs| self.address_of(slot).as_ref() != Some(&theirs))
     }
 
     /// Whether a suspicion may be checked now: at most one check a second.
@@ -395,20 +388,31 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
 
     /// Make a new connection in the background, by `connect` (within `limit`), while the
     /// current one goes on serving its calls: it takes over once made, and a failed attempt
-    /// changes nothing. Nothing is started while another attempt is in flight.
-    fn replace<F>(self: &Arc<Self>, limit: Duration, connect: impl FnOnce() -> F)
+    /// changes nothing (it is logged). Nothing is started while another attempt is in flight:
+    /// false.
+    fn replace<F>(self: &Arc<Self>, limit: Duration, connect: impl FnOnce() -> F) -> bool
     where
         F: std::future::Future<Output = Result<C, StoreError>> + Send + 'static,
     {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
+            return false;
         };
-        let mut attempt = self.attempt.lock();
-        if attempt.is_some() {
-            return;
-        }
-        let (_, run) = self.start(&mut attempt, limit, connect());
-        runtime.spawn(run);
+        let (outcome, run) = {
+            let mut attempt = self.attempt.lock();
+            if attempt.is_some() {
+                return false;
+            }
+            self.start(&mut attempt, limit, connect())
+        };
+        // Spawned with the lock released: a runtime shutting down drops the task at once, and
+        // its `EndsAttempt` takes the lock.
+        runtime.spawn(async move {
+            run.await;
+            if let Some(Err(error)) = &*outcome.borrow() {
+                tracing::warn!(%error, "fleetlimit: connecting again in the background failed; the current connection goes on");
+            }
+        });
+        true
     }
 }
 
@@ -1063,17 +1067,20 @@ fn cluster_attempt(connect_timeout: Duration) -> Duration {
     connect_timeout.saturating_mul(3)
 }
 
-/// Ask the masters other than `suspect`, one by one, for the slot map (each within `limit`);
-/// the first that answers says whether the map changed: if it did (the suspect's replica was
-/// promoted), a new connection is made in the background and takes over once ready, while the
-/// current one goes on serving the other masters' slots.
+/// Ask the masters other than `slot`'s, one by one, for the slot map (each within `limit`);
+/// the first that answers says whether `slot` has another master now: if so (its master's
+/// replica was promoted), a new connection is made in the background and takes over once
+/// ready, while the current one goes on serving the other masters' slots. Only that slot
+/// counts: slots moved by a reshard this map has not seen (MOVED updates it one slot at a time)
+/// answer MOVED, never nothing, and reconnecting for them would only repeat a connection.
 async fn look_past(
     client: redis::cluster::ClusterClient,
     conn: Arc<Connector<ClusterConnection>>,
     masters: Arc<Masters>,
-    suspect: Option<String>,
+    slot: u16,
     limit: Duration,
 ) {
+    let suspect = masters.address_of(slot);
     use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
     let Some(current) = conn.current() else {
         return;
@@ -1100,16 +1107,19 @@ async fn look_past(
         let Ok(Ok(answer)) = tokio::time::timeout(limit, answer).await else {
             continue;
         };
-        if masters.differs(&answer) {
-            tracing::info!(
-                suspect = suspect.as_deref().unwrap_or("?"),
-                asked = %address,
-                "fleetlimit: calls to a cluster master go unanswered and the slot map changed; connecting again in the background"
-            );
-            let masters = masters.clone();
-            conn.replace(cluster_attempt(limit), || {
-                connect_cluster(client, masters, limit)
+        if masters.moved_away(slot, &answer) {
+            let fresh = masters.clone();
+            let started = conn.replace(cluster_attempt(limit), || {
+                connect_cluster(client, fresh, limit)
             });
+            if started {
+                tracing::info!(
+                    suspect = suspect.as_deref().unwrap_or("?"),
+                    asked = %address,
+                    slot,
+                    "fleetlimit: calls to a cluster master go unanswered and another master serves its slot now; connecting again in the background"
+                );
+            }
         }
         return;
     }
@@ -1225,8 +1235,9 @@ fn store_error(e: RedisError) -> StoreError {
     }
 }
 
-/// Armed while a cluster call on `slot` runs: dropped armed, the call was abandoned (its
-/// decision's deadline passed), and its master may be hung.
+/// Armed while a cluster call on `slot` runs: dropped armed, the call went unanswered until it
+/// was abandoned (its decision's deadline passed, or its request was dropped), and its master
+/// may be hung.
 struct Unanswered<'a>(Option<(&'a Inner, u16)>);
 
 impl Drop for Unanswered<'_> {
@@ -1262,7 +1273,7 @@ impl Inner {
             client.as_ref().clone(),
             conn.clone(),
             masters.clone(),
-            masters.address_of(slot),
+            slot,
             self.connect_timeout,
         ));
     }
@@ -2004,30 +2015,34 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_map_differs_when_a_slot_has_another_master() {
+    fn a_slot_moved_away_when_the_answer_names_another_master() {
         let masters = Masters::default();
         let map = [
             (0, 8_191, "10.0.0.1", 7000),
             (8_192, 16_383, "10.0.0.2", 7000),
         ];
         masters.learn(&slots_answer(&map));
-        assert!(!masters.differs(&slots_answer(&map)));
+        assert!(!masters.moved_away(5, &slots_answer(&map)));
         let promoted = [
             (0, 8_191, "10.0.0.3", 7000),
             (8_192, 16_383, "10.0.0.2", 7000),
         ];
-        assert!(masters.differs(&slots_answer(&promoted)));
+        assert!(masters.moved_away(5, &slots_answer(&promoted)));
+        assert!(
+            !masters.moved_away(9_000, &slots_answer(&promoted)),
+            "only the slot asked about counts"
+        );
         let part = [(8_192, 16_383, "10.0.0.2", 7000)];
         assert!(
-            !masters.differs(&slots_answer(&part)),
-            "unnamed slots count for nothing"
+            !masters.moved_away(5, &slots_answer(&part)),
+            "an unnamed slot counts for nothing"
         );
         assert!(
-            !masters.differs(&redis::Value::Nil),
+            !masters.moved_away(5, &redis::Value::Nil),
             "nor does a malformed answer"
         );
         assert!(
-            Masters::default().differs(&slots_answer(&map)),
+            Masters::default().moved_away(5, &slots_answer(&map)),
             "a map unknown until now"
         );
     }
