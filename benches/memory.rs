@@ -67,10 +67,13 @@ fn decisions(c: &mut Criterion) {
                         (Algorithm::SlidingLog, true) => {
                             Quota::per_second(10_000).algorithm(algorithm)
                         }
+                        // A huge burst at a slow rate: each check pushes the state a second
+                        // ahead, so every key's entry stays live, as governor keeps every key.
+                        // (At a fast rate each entry expired microseconds after its check and
+                        // was swept: on 100,000 keys the table stayed nearly empty, a kinder
+                        // case than governor's.)
                         (Algorithm::TokenBucket | Algorithm::Gcra, true) => {
-                            Quota::per_second(1_000_000)
-                                .algorithm(algorithm)
-                                .burst(1 << 40)
+                            Quota::per_second(1).algorithm(algorithm).burst(1 << 29)
                         }
                         (_, true) => Quota::per_second(u64::from(per_second)).algorithm(algorithm),
                     };
