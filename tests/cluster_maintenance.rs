@@ -462,7 +462,7 @@ async fn a_hung_master_is_replaced_by_its_promoted_replica() {
          (node timeout 1 s)"
     );
     assert!(
-        recovery < Duration::from_secs(10),
+        recovery < Duration::from_secs(6),
         "recovered only after {recovery:?}"
     );
 }

@@ -134,6 +134,9 @@ enum Conn {
     /// lives at another address, which a new connection learns.
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
+        /// A client for the URLs given but those naming a node's address (the same settings);
+        /// `None` when that would leave none out, or none in.
+        without: Arc<WithoutNode>,
         conn: Arc<Connector<ClusterConnection>>,
         /// Which master serves each slot, as the last connection learnt it.
         masters: Arc<Masters>,
@@ -151,6 +154,27 @@ enum Conn {
         conn: Arc<Connector<MultiplexedConnection>>,
     },
 }
+
+/// The URLs that do not name `address` (`host:port`, as `CLUSTER SLOTS` names a node; a URL
+/// brackets an IPv6 host).
+fn urls_without<'a>(urls: &'a [String], address: &str) -> Vec<&'a str> {
+    let bracketed = address
+        .rsplit_once(':')
+        .map(|(host, port)| format!("[{host}]:{port}"));
+    let names = |url: &str| {
+        let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+        let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
+        let host_port = host_port.split(['/', '?']).next().unwrap_or(host_port);
+        host_port == address || bracketed.as_deref() == Some(host_port)
+    };
+    urls.iter()
+        .map(String::as_str)
+        .filter(|u| !names(u))
+        .collect()
+}
+
+/// See `Conn::Cluster::without`.
+type WithoutNode = dyn Fn(&str) -> Option<redis::cluster::ClusterClient> + Send + Sync;
 
 /// The cluster's masters as the store last learnt them (`CLUSTER SLOTS`, read by each new
 /// connection): a number per master address, in order of first sight, and each slot's master.
@@ -601,23 +625,38 @@ impl RedisStoreBuilder {
         if nodes.iter().any(|n| n.starts_with("rediss://")) || self.tls.is_some() {
             install_crypto();
         }
+        let connect_timeout = self.connect_timeout;
+        #[cfg(feature = "tls")]
+        let certificates = self.tls.clone();
         // No retries inside redis-rs: it would also resend a call after a broken connection,
         // when the script may have run. The store follows redirections itself, within the
         // decision's deadline (`follow_redirections`).
-        #[allow(unused_mut)]
-        let mut builder = redis::cluster::ClusterClient::builder(nodes)
-            .connection_timeout(self.connect_timeout)
-            .retries(0);
-        #[cfg(feature = "tls")]
-        if let Some(certificates) = &self.tls {
-            builder = builder.certs(certificates.clone());
-        }
-        let client = builder.build().map_err(|e| ConfigError::Invalid {
+        let client_for = move |nodes: Vec<&str>| {
+            #[allow(unused_mut)]
+            let mut builder = redis::cluster::ClusterClient::builder(nodes)
+                .connection_timeout(connect_timeout)
+                .retries(0);
+            #[cfg(feature = "tls")]
+            if let Some(certificates) = &certificates {
+                builder = builder.certs(certificates.clone());
+            }
+            builder.build()
+        };
+        let client = client_for(nodes).map_err(|e| ConfigError::Invalid {
             setting: "urls",
             reason: e.to_string(),
         })?;
+        let urls: Vec<String> = urls.iter().map(|u| u.as_ref().to_owned()).collect();
+        let without = move |address: &str| {
+            let rest = urls_without(&urls, address);
+            if rest.is_empty() || rest.len() == urls.len() {
+                return None;
+            }
+            client_for(rest).ok()
+        };
         let store = self.finish(Conn::Cluster {
             client: Box::new(client),
+            without: Arc::new(without),
             conn: Connector::new(),
             masters: Arc::default(),
         });
@@ -1075,6 +1114,7 @@ fn cluster_attempt(connect_timeout: Duration) -> Duration {
 /// answer MOVED, never nothing, and reconnecting for them would only repeat a connection.
 async fn look_past(
     client: redis::cluster::ClusterClient,
+    without: Arc<WithoutNode>,
     conn: Arc<Connector<ClusterConnection>>,
     masters: Arc<Masters>,
     slot: u16,
@@ -1108,6 +1148,12 @@ async fn look_past(
             continue;
         };
         if masters.moved_away(slot, &answer) {
+            // Not through the hung node, when it is one of the URLs given: redis-rs waits for
+            // every node it is given, a hung one up to the connect timeout.
+            let client = suspect
+                .as_deref()
+                .and_then(|s| without(s))
+                .unwrap_or(client);
             let fresh = masters.clone();
             let started = conn.replace(cluster_attempt(limit), || {
                 connect_cluster(client, fresh, limit)
@@ -1257,6 +1303,7 @@ impl Inner {
     fn suspect_hung_master(&self, slot: u16) {
         let Conn::Cluster {
             client,
+            without,
             conn,
             masters,
         } = &self.conn
@@ -1271,6 +1318,7 @@ impl Inner {
         }
         runtime.spawn(look_past(
             client.as_ref().clone(),
+            without.clone(),
             conn.clone(),
             masters.clone(),
             slot,
@@ -1600,6 +1648,7 @@ impl Inner {
                 client,
                 conn,
                 masters,
+                ..
             } => {
                 let connect = || connect_cluster(client.as_ref().clone(), masters.clone(), limit);
                 Ok(Ready::Cluster(
@@ -2044,6 +2093,35 @@ mod tests {
         assert!(
             Masters::default().moved_away(5, &slots_answer(&map)),
             "a map unknown until now"
+        );
+    }
+
+    #[test]
+    fn a_hung_node_is_left_out_of_the_urls_by_its_address() {
+        let urls: Vec<String> = [
+            "redis://127.0.0.1:7000",
+            "rediss://user:secret@127.0.0.1:7001/0",
+            "redis://[::1]:7002",
+            "redis://127.0.0.1:70010",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(
+            urls_without(&urls, "127.0.0.1:7001").len(),
+            3,
+            "credentials and a path"
+        );
+        assert_eq!(urls_without(&urls, "::1:7002").len(), 3, "an IPv6 host");
+        let rest = urls_without(&urls, "127.0.0.1:7000");
+        assert_eq!(rest.len(), 3);
+        assert!(
+            rest.contains(&"redis://127.0.0.1:70010"),
+            "a port that only starts alike"
+        );
+        assert_eq!(
+            urls_without(&urls, "10.0.0.9:7000").len(),
+            4,
+            "not one of them"
         );
     }
 
