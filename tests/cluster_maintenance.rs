@@ -119,13 +119,18 @@ fn rules(limit: u64) -> [Rule; 2] {
 
 /// Two instances on the cluster, failing closed, with the defaults otherwise.
 async fn fleet(cluster: &RedisCluster, limit: u64) -> Vec<Limiter> {
+    fleet_through(&cluster.urls(), limit).await
+}
+
+/// [`fleet`], connected through `urls` only.
+async fn fleet_through(urls: &[String], limit: u64) -> Vec<Limiter> {
     let mut fleet = Vec::new();
     for _ in 0..2 {
         // A clock that stands still (both instances on the same time): on Redis's own clock a
         // run across an hour's boundary would give every key its limit again.
         let store = RedisStore::builder()
             .clock(ManualClock::default())
-            .cluster(&cluster.urls())
+            .cluster(urls)
             .await
             .unwrap();
         let [a, b] = rules(limit);
@@ -281,6 +286,14 @@ async fn a_master_added_under_load_costs_no_policy_decision() {
 /// Three masters with a replica each, two instances under load; one master is taken away
 /// (killed, or hung) and the load goes on for `after`. What happened to every key, which keys
 /// were on the victim, and when it was taken away.
+/// The URLs the instances are given.
+#[derive(Clone, Copy)]
+enum Seeds {
+    All,
+    /// The victim's alone: the other masters are learnt from it.
+    VictimOnly,
+}
+
 struct Failover {
     /// Kept running until the checks are done.
     _cluster: RedisCluster,
@@ -293,7 +306,7 @@ struct Failover {
     healthy_failures: Vec<(usize, String)>,
 }
 
-async fn fail_over(cut: fn(&mut RedisCluster, usize), after: Duration) -> Failover {
+async fn fail_over(cut: fn(&mut RedisCluster, usize), after: Duration, seeds: Seeds) -> Failover {
     log_store_failures();
     let mut cluster = RedisCluster::start_with_replicas(1, 1_000);
     // Every replica in sync with its master (a replica that never synced may not fail over).
@@ -308,12 +321,16 @@ async fn fail_over(cut: fn(&mut RedisCluster, usize), after: Duration) -> Failov
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let fleet = fleet(&cluster, 1_000_000).await;
     let keys = keys();
     let store_for_slots = RedisStore::cluster(&cluster.urls()).await.unwrap();
     let [rule, _] = rules(1_000_000);
     let slot_of = |k: &Key| fleetlimit::store::redis::slot(&store_for_slots.key_for(&rule, k));
     let victim = cluster.node_for_slot(slot_of(&keys[0]));
+    let urls = match seeds {
+        Seeds::All => cluster.urls(),
+        Seeds::VictimOnly => vec![cluster.nodes()[victim].url()],
+    };
+    let fleet = fleet_through(&urls, 1_000_000).await;
     let on_victim: Vec<bool> = keys
         .iter()
         .map(|k| cluster.node_for_slot(slot_of(k)) == victim)
@@ -414,7 +431,7 @@ impl Failover {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_failover_costs_only_its_keys_a_short_window() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let f = fail_over(RedisCluster::kill_node, Duration::from_secs(8)).await;
+    let f = fail_over(RedisCluster::kill_node, Duration::from_secs(8), Seeds::All).await;
     f.assert_healthy_masters_unaffected();
     let recovery = f.recovery();
     // What the promoted replica counts, against what the store acknowledged.
@@ -452,9 +469,20 @@ async fn a_master_failover_costs_only_its_keys_a_short_window() {
 /// background, while the other masters' keys go on being served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_master_is_replaced_by_its_promoted_replica() {
+    hung_master_replaced(Seeds::All).await;
+}
+
+/// The same when the hung master was the only URL the instances were given: the new
+/// connection goes through the other masters, at the same URL otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_master_given_as_the_only_url_is_replaced() {
+    hung_master_replaced(Seeds::VictimOnly).await;
+}
+
+async fn hung_master_replaced(seeds: Seeds) {
     let _alone = ONE_AT_A_TIME.lock().await;
     let hang = |cluster: &mut RedisCluster, victim: usize| cluster.nodes()[victim].pause();
-    let f = fail_over(hang, Duration::from_secs(12)).await;
+    let f = fail_over(hang, Duration::from_secs(12), seeds).await;
     f.assert_healthy_masters_unaffected();
     let recovery = f.recovery();
     eprintln!(

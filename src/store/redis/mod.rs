@@ -134,8 +134,9 @@ enum Conn {
     /// lives at another address, which a new connection learns.
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
-        /// A client for the URLs given but those naming a node's address (the same settings);
-        /// `None` when that would leave none out, or none in.
+        /// A client for the URLs given but those naming a hung node's address (the same
+        /// settings), or, when it was the only one given, for the same URLs pointed at the
+        /// other masters; `None` when it is not one of them.
         without: Arc<WithoutNode>,
         conn: Arc<Connector<ClusterConnection>>,
         /// Which master serves each slot, as the last connection learnt it.
@@ -155,26 +156,47 @@ enum Conn {
     },
 }
 
-/// The URLs that do not name `address` (`host:port`, as `CLUSTER SLOTS` names a node; a URL
-/// brackets an IPv6 host).
+/// The `host:port` a URL names, as written (an IPv6 host bracketed).
+fn url_node(url: &str) -> &str {
+    let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
+    host_port.split(['/', '?']).next().unwrap_or(host_port)
+}
+
+/// `address` (`host:port`, as `CLUSTER SLOTS` names a node) as a URL writes it.
+fn in_url(address: &str) -> String {
+    match address.rsplit_once(':') {
+        Some((host, port)) if host.contains(':') => format!("[{host}]:{port}"),
+        _ => address.to_owned(),
+    }
+}
+
+/// The URLs that do not name `address`.
 fn urls_without<'a>(urls: &'a [String], address: &str) -> Vec<&'a str> {
-    let bracketed = address
-        .rsplit_once(':')
-        .map(|(host, port)| format!("[{host}]:{port}"));
-    let names = |url: &str| {
-        let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
-        let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
-        let host_port = host_port.split(['/', '?']).next().unwrap_or(host_port);
-        host_port == address || bracketed.as_deref() == Some(host_port)
-    };
+    let written = in_url(address);
     urls.iter()
         .map(String::as_str)
-        .filter(|u| !names(u))
+        .filter(|u| url_node(u) != written)
         .collect()
 }
 
+/// `url`, which names `address`, naming `other` instead (scheme, credentials and database
+/// kept); `None` if it does not name `address`.
+fn url_at(url: &str, address: &str, other: &str) -> Option<String> {
+    let node = url_node(url);
+    if node != in_url(address) {
+        return None;
+    }
+    // `url_node` is a slice of `url`: replace exactly it.
+    let start = node.as_ptr() as usize - url.as_ptr() as usize;
+    let mut moved = url.to_owned();
+    moved.replace_range(start..start + node.len(), &in_url(other));
+    Some(moved)
+}
+
 /// See `Conn::Cluster::without`.
-type WithoutNode = dyn Fn(&str) -> Option<redis::cluster::ClusterClient> + Send + Sync;
+/// (The hung node's address, the other masters' addresses.)
+type WithoutNode = dyn Fn(&str, &[String]) -> Option<redis::cluster::ClusterClient> + Send + Sync;
 
 /// The cluster's masters as the store last learnt them (`CLUSTER SLOTS`, read by each new
 /// connection): a number per master address, in order of first sight, and each slot's master.
@@ -647,12 +669,27 @@ impl RedisStoreBuilder {
             reason: e.to_string(),
         })?;
         let urls: Vec<String> = urls.iter().map(|u| u.as_ref().to_owned()).collect();
-        let without = move |address: &str| {
+        let without = move |address: &str, others: &[String]| {
             let rest = urls_without(&urls, address);
-            if rest.is_empty() || rest.len() == urls.len() {
+            if rest.len() == urls.len() {
                 return None;
             }
-            client_for(rest).ok()
+            if !rest.is_empty() {
+                return client_for(rest).ok();
+            }
+            // The hung node was the only one given: the same URLs, pointed at the others.
+            let moved: Vec<String> = urls
+                .iter()
+                .flat_map(|url| {
+                    others
+                        .iter()
+                        .filter_map(|other| url_at(url, address, other))
+                })
+                .collect();
+            if moved.is_empty() {
+                return None;
+            }
+            client_for(moved.iter().map(String::as_str).collect()).ok()
         };
         let store = self.finish(Conn::Cluster {
             client: Box::new(client),
@@ -1132,7 +1169,7 @@ async fn look_past(
         .filter(|a| Some(*a) != suspect.as_ref())
         .cloned()
         .collect();
-    for address in others {
+    for address in &others {
         let Some((host, port)) = address
             .rsplit_once(':')
             .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
@@ -1152,7 +1189,7 @@ async fn look_past(
             // every node it is given, a hung one up to the connect timeout.
             let client = suspect
                 .as_deref()
-                .and_then(|s| without(s))
+                .and_then(|s| without(s, &others))
                 .unwrap_or(client);
             let fresh = masters.clone();
             let started = conn.replace(cluster_attempt(limit), || {
@@ -2122,6 +2159,27 @@ mod tests {
             urls_without(&urls, "10.0.0.9:7000").len(),
             4,
             "not one of them"
+        );
+    }
+
+    #[test]
+    fn a_url_is_pointed_at_another_node_keeping_the_rest() {
+        assert_eq!(
+            url_at(
+                "rediss://user:secret@10.0.0.1:7000/0",
+                "10.0.0.1:7000",
+                "10.0.0.2:7001"
+            )
+            .as_deref(),
+            Some("rediss://user:secret@10.0.0.2:7001/0")
+        );
+        assert_eq!(
+            url_at("redis://[::1]:7000", "::1:7000", "::2:7001").as_deref(),
+            Some("redis://[::2]:7001")
+        );
+        assert_eq!(
+            url_at("redis://10.0.0.1:70001", "10.0.0.1:7000", "x:1"),
+            None
         );
     }
 
