@@ -1246,6 +1246,41 @@ async fn a_reconnect_through_a_hung_master_goes_on_in_the_background() {
     );
 }
 
+/// A limiter of `rule` on `store` with a deadline a loaded machine cannot miss: what is under
+/// test is not the deadline.
+fn patient(store: &RedisStore, rule: &Rule, policy: OnStoreError) -> Limiter {
+    Limiter::builder(store.clone())
+        .rule(rule.clone())
+        .on_store_error(policy)
+        .deadline(Duration::from_secs(2))
+        .build()
+        .unwrap()
+}
+
+/// A cluster, a store on it, and a patient limiter failing closed with a rule of 10 a minute.
+async fn cluster_limiter() -> (RedisCluster, RedisStore, Rule, Limiter) {
+    let cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let rule = Rule::new("moved", Quota::per_minute(10).build().unwrap()).unwrap();
+    let limiter = patient(&store, &rule, OnStoreError::fail_closed());
+    (cluster, store, rule, limiter)
+}
+
+/// Every node of `cluster` told that `to` serves `slot`.
+fn give_slot(cluster: &RedisCluster, slot: u16, to: usize) {
+    let to_id = cluster.nodes()[to].cmd(&["CLUSTER", "MYID"]).unwrap();
+    let to_id = to_id.as_str().unwrap().to_owned();
+    for node in cluster.nodes() {
+        let reply = node
+            .cmd(&["CLUSTER", "SETSLOT", &slot.to_string(), "NODE", &to_id])
+            .unwrap();
+        assert!(reply.as_error().is_none(), "{reply:?}");
+    }
+}
+
 /// One slot moved by hand, step by step, under a key with a state, a pause and a concurrency
 /// slot: the plain commands and small scripts follow ASK while the slot migrates and MOVED once
 /// it has (they answered the redirection as an error, and fail-closed callers were refused);
@@ -1254,20 +1289,9 @@ async fn a_reconnect_through_a_hung_master_goes_on_in_the_background() {
 #[tokio::test]
 async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     use fleetlimit::concurrency::{Acquired, ConcurrencyLimiter};
-    let cluster = RedisCluster::start();
-    let store = RedisStore::builder()
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
-    let rule = Rule::new("moved", Quota::per_minute(10).build().unwrap()).unwrap();
     // Long deadlines: the redirections are under test, not the deadline, and a phase takes a
     // few round trips that a loaded machine could stretch past the 50 ms default.
-    let limiter = Limiter::builder(store.clone())
-        .rule(rule.clone())
-        .on_store_error(OnStoreError::fail_closed())
-        .deadline(Duration::from_secs(2))
-        .build()
-        .unwrap();
+    let (cluster, store, rule, limiter) = cluster_limiter().await;
     let slots = ConcurrencyLimiter::builder(store.clone(), "in-flight", 5)
         .on_store_error(OnStoreError::fail_closed())
         .deadline(Duration::from_secs(2))
@@ -1303,12 +1327,7 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     };
     // A deny-listed key on the same slot, under a limiter failing open: while the slot moves its
     // listing is still read (or, when Redis cannot run the call, remembered), never dropped.
-    let open = Limiter::builder(store.clone())
-        .rule(rule.clone())
-        .on_store_error(OnStoreError::FailOpen)
-        .deadline(Duration::from_secs(2))
-        .build()
-        .unwrap();
+    let open = patient(&store, &rule, OnStoreError::FailOpen);
     let denied = (0..100_000)
         .map(|i| Key::new(format!("denied-{i}")))
         .find(|k| fleetlimit::store::redis::slot(&store.key_for(&rule, k)) == slot)
@@ -1336,11 +1355,19 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     decided("migrating, the state still on the source").await;
     still_denied("migrating").await;
     refunded("migrating").await;
+    // A pause set and read, and a concurrency slot held: plain commands and a small script.
+    let paused_and_held = |phase: &'static str| {
+        let (limiter, slots, key) = (limiter.clone(), slots.clone(), key.clone());
+        async move {
+            limiter.pause(&key, Duration::from_secs(60)).await.unwrap();
+            assert!(limiter.paused_for(&key).await.is_some(), "{phase}");
+            let held = slots.acquire(&key).await;
+            assert!(matches!(held, Acquired::Held(_)), "{phase}: {held:?}");
+            held
+        }
+    };
     // Migrating: keys not on the source any more (none of these yet) are asked of the target.
-    limiter.pause(&key, Duration::from_secs(60)).await.unwrap();
-    assert!(limiter.paused_for(&key).await.is_some());
-    let held = slots.acquire(&key).await;
-    assert!(matches!(held, Acquired::Held(_)), "{held:?}");
+    let held = paused_and_held("migrating").await;
     // The rest of the slot's keys move, and every node is told the slot's new owner.
     let keys = node(from)
         .cmd(&["CLUSTER", "GETKEYSINSLOT", &s, "1000"])
@@ -1360,16 +1387,11 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
     decided("migrating, the state moved").await;
     still_denied("migrating, the keys moved").await;
     refunded("migrating, the keys moved").await;
-    for i in 0..cluster.nodes().len() {
-        ok(node(i).cmd(&["CLUSTER", "SETSLOT", &s, "NODE", &id(to)]));
-    }
+    give_slot(&cluster, slot, to);
     // Moved: the store still names the old owner, and follows.
     decided("moved").await;
     still_denied("moved").await;
-    limiter.pause(&key, Duration::from_secs(60)).await.unwrap();
-    assert!(limiter.paused_for(&key).await.is_some());
-    let second = slots.acquire(&key).await;
-    assert!(matches!(second, Acquired::Held(_)), "{second:?}");
+    let second = paused_and_held("moved").await;
     drop((held, second));
     // The old master hangs: its breaker opens on its own keys, and the moved slot, learnt from
     // the MOVED answers, is the new master's, so its key still decides on Redis. (The master
@@ -1399,4 +1421,41 @@ async fn pauses_and_slots_follow_a_slot_moved_by_hand() {
         !d.degraded,
         "the moved slot followed its old master's breaker: {d:?}"
     );
+}
+
+/// A plain command (a pause) is the first call to meet a slot moved away: it follows the
+/// MOVED, and the store keeps its cluster connection (redis-rs relearns its slot map from the
+/// MOVED itself). It dropped the connection, and every call waited for a whole new one.
+#[tokio::test]
+async fn a_plain_command_meeting_a_moved_slot_keeps_the_connection() {
+    let (cluster, store, rule, limiter) = cluster_limiter().await;
+    let key = Key::new("moves");
+    let slot = fleetlimit::store::redis::slot(&store.key_for(&rule, &key));
+    let from = cluster.node_for_slot(slot);
+    let (to, third) = ((from + 1) % 3, (from + 2) % 3);
+    let node = |i: usize| &cluster.nodes()[i];
+    // The store's connections to a node that takes no part in the move, by client id.
+    let store_clients = || {
+        let list = node(third).cmd(&["CLIENT", "LIST"]).unwrap();
+        let mut ids: Vec<String> = list
+            .as_str()
+            .unwrap()
+            .lines()
+            .filter(|l| !l.contains("cmd=client|list"))
+            .filter_map(|l| l.split(' ').next().map(str::to_owned))
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert!(!limiter.consume(&key, 1).await.unwrap().degraded);
+    // The key's state goes, and the empty slot is given to another master on every node.
+    limiter.reset(&key).await.unwrap();
+    let before = store_clients();
+    assert!(!before.is_empty());
+    give_slot(&cluster, slot, to);
+    limiter.pause(&key, Duration::from_secs(60)).await.unwrap();
+    assert!(limiter.paused_for(&key).await.is_some());
+    assert!(!limiter.consume(&key, 1).await.unwrap().degraded);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(store_clients(), before, "the store connected again");
 }

@@ -254,6 +254,16 @@ impl Leases {
     }
 }
 
+/// Leased permits given back to the store, or not (they return when the window ends or the
+/// bucket refills), in the metrics.
+fn count_returned(rule: &Rule, permits: u64, given: bool) {
+    if given {
+        super::telemetry::lease_returned(rule, permits);
+    } else {
+        super::telemetry::lease_expired(rule, permits);
+    }
+}
+
 impl Inner {
     /// Decide a single-rule consume from a leased block when this process can. `Ok(None)`: the
     /// rule is not leased here (or the key not hot yet): ask the store.
@@ -441,15 +451,9 @@ impl Inner {
             })
             .collect();
         if !refunds.is_empty() {
-            // Not taken back, they return when the window ends or the bucket refills.
             let given = self.give_back(&refunds, deadline).await;
-            for r in &refunds {
-                if given {
-                    super::telemetry::lease_returned(check.rule, r.taken.cost());
-                } else {
-                    super::telemetry::lease_expired(check.rule, r.taken.cost());
-                }
-            }
+            let permits = refunds.iter().map(|r| r.taken.cost()).sum();
+            count_returned(check.rule, permits, given);
         }
         let decision = self.decide_direct(check, deadline).await;
         drop(one_at_a_time);
@@ -566,10 +570,8 @@ impl Inner {
             self.give_back(&refund, Deadline::after(self.deadline))
                 .await
         };
-        if given {
-            super::telemetry::lease_returned(rule, taken.cost());
-        } else {
-            super::telemetry::lease_expired(rule, taken.cost());
+        count_returned(rule, taken.cost(), given);
+        if !given {
             tracing::debug!(
                 rule = rule.name(),
                 unclaimed,

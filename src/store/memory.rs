@@ -1836,13 +1836,11 @@ mod tests {
     }
 
     /// A fixed window of 10 an hour, named "r".
-    fn ten_an_hour() -> Rule {
+    /// Rule "r": 10 an hour, by `algorithm`.
+    fn ten_an_hour(algorithm: Algorithm) -> Rule {
         Rule::new(
             "r",
-            Quota::per_hour(10)
-                .algorithm(Algorithm::FixedWindow)
-                .build()
-                .unwrap(),
+            Quota::per_hour(10).algorithm(algorithm).build().unwrap(),
         )
         .unwrap()
     }
@@ -1851,7 +1849,7 @@ mod tests {
     fn a_receipt_survives_no_eviction() {
         let clock = ManualClock::new(1_735_689_600_000_000);
         let s = store(&clock, 16);
-        let r = ten_an_hour();
+        let r = ten_an_hour(Algorithm::FixedWindow);
         let k = Key::new("k");
         let half = s.apply_now(Op::Consume, &one(&r, &k, 5))[0].taken.unwrap();
         clock.advance(Duration::from_millis(1));
@@ -1912,7 +1910,7 @@ mod tests {
     fn a_receipt_refunds_nothing_against_an_overflow_copy() {
         let clock = ManualClock::new(1_735_689_600_000_000);
         let s = store(&clock, 16);
-        let r = ten_an_hour();
+        let r = ten_an_hour(Algorithm::FixedWindow);
         let short = rule("short", Algorithm::FixedWindow, 10);
         let fill = |from: u32| {
             for i in from..from + 16 {
@@ -1951,14 +1949,7 @@ mod tests {
     fn a_log_receipt_removes_nothing_from_an_overflow_copy() {
         let clock = ManualClock::new(1_735_689_600_000_000);
         let s = store(&clock, 16);
-        let log = Rule::new(
-            "log",
-            Quota::per_hour(10)
-                .algorithm(Algorithm::SlidingLog)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
+        let log = ten_an_hour(Algorithm::SlidingLog);
         let short = rule("short", Algorithm::FixedWindow, 10);
         let k = Key::new("k");
         let receipt = s.apply_now(Op::Consume, &one(&log, &k, 1))[0]

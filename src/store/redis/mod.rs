@@ -1566,11 +1566,6 @@ impl Inner {
                 let mut unanswered = Unanswered(Some((self, slot)));
                 let first = cmd.query_async::<redis::Value>(&mut conn).await;
                 unanswered.0 = None;
-                // A moved slot is followed, and the next call connects again to learn the slot
-                // map (an ASK, a migration under way, is only followed).
-                let moved = first
-                    .as_ref()
-                    .is_err_and(|e| matches!(e.retry_method(), redis::RetryMethod::MovedRedirect));
                 let again = |mut conn: ClusterConnection, node, asking| {
                     let cmd = cmd.clone();
                     async move { send(&mut conn, &node, asking, cmd).await }
@@ -1578,11 +1573,7 @@ impl Inner {
                 let masters = self.masters();
                 let result =
                     follow_redirections(&mut conn, masters, slot, false, first, again).await;
-                if moved {
-                    self.forget_cluster_connection(&result);
-                } else {
-                    self.forget_dead_node(&result);
-                }
+                self.forget_dead_node(&result);
                 result.and_then(|value| T::from_redis_value(value).map_err(RedisError::from))
             }
             Ready::Shared(mut conn) => self.on_shared(cmd.query_async(&mut conn)).await,
@@ -1592,24 +1583,19 @@ impl Inner {
     /// A node that stopped answering (a master killed before its replica took over): the next
     /// call connects again and learns the new slot map.
     fn forget_dead_node<T>(&self, result: &redis::RedisResult<T>) {
-        let dead = result.as_ref().is_err_and(|e| {
-            e.is_io_error()
-                || e.is_connection_dropped()
-                || e.is_connection_refusal()
-                || e.is_unrecoverable_error()
-                || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
-        });
-        if dead {
-            self.forget_cluster_connection(result);
-        }
-    }
-
-    fn forget_cluster_connection<T>(&self, result: &redis::RedisResult<T>) {
-        if let Conn::Cluster { conn, .. } = &self.conn {
+        let Err(error) = result else {
+            return;
+        };
+        let dead = error.is_io_error()
+            || error.is_connection_dropped()
+            || error.is_connection_refusal()
+            || error.is_unrecoverable_error()
+            || error.kind() == redis::ErrorKind::ClusterConnectionNotFound;
+        if let (true, Conn::Cluster { conn, .. }) = (dead, &self.conn) {
             if conn.forget() {
                 tracing::info!(
-                    error = %result.as_ref().err().map_or(String::new(), |e| e.to_string()),
-                    "fleetlimit: a cluster node stopped answering or a slot moved; reconnecting to learn the slot map again"
+                    %error,
+                    "fleetlimit: a cluster node stopped answering; reconnecting to learn the slot map again"
                 );
             }
         }
