@@ -338,6 +338,83 @@ async fn a_deadpool_pool_works_and_shares_one_connection() {
     assert_eq!(others, Some(1), "{clients:?}");
 }
 
+/// A call still in flight on a pooled connection that has already been replaced (another call
+/// was abandoned at its deadline, and the next took a fresh connection) fails late, when its
+/// connection is cut: the fresh connection goes on serving. It used to be thrown away too, and
+/// the next call waited for a third.
+#[tokio::test]
+async fn a_late_failure_on_a_replaced_pool_connection_keeps_the_new_one() {
+    let server = RedisServer::start();
+    let pool = deadpool_redis::Config::from_url(server.url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let store = test_store().pool(pool).unwrap();
+    let r = Arc::new(rule(
+        "late",
+        Algorithm::FixedWindow,
+        10,
+        Duration::from_secs(60),
+        None,
+    ));
+    let k = Key::new("late");
+    let consume = |store: RedisStore, r: Arc<Rule>, k: Key| async move {
+        let check = [Check {
+            rule: &r,
+            key: &k,
+            cost: 1,
+        }];
+        store.apply(Op::Consume, &check).await
+    };
+    consume(store.clone(), r.clone(), k.clone()).await.unwrap();
+    // Scripts wait (they may write); reads and new connections go on.
+    let paused = server.cmd(&["CLIENT", "PAUSE", "20000", "WRITE"]).unwrap();
+    assert_eq!(paused.as_str(), Some("OK"));
+    let stuck = tokio::spawn(consume(store.clone(), r.clone(), k.clone()));
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(200),
+        consume(store.clone(), r.clone(), k.clone()),
+    )
+    .await;
+    assert!(
+        abandoned.is_err(),
+        "the script waits while writes are paused"
+    );
+    assert_eq!(store.paused_for(&r, &k).await.unwrap(), None);
+    let clients = server.cmd(&["CLIENT", "LIST"]).unwrap();
+    let clients = clients.as_str().unwrap_or_default().to_owned();
+    let old: Vec<&str> = clients
+        .lines()
+        .filter(|l| l.contains("cmd=evalsha"))
+        .filter_map(|l| l.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .collect();
+    assert_eq!(old.len(), 1, "the abandoned connection: {clients}");
+    let connections = |server: &RedisServer| -> u64 {
+        let stats = server.info("stats").unwrap();
+        support::redis::info_field(&stats, "total_connections_received")
+            .and_then(|n| n.parse().ok())
+            .unwrap()
+    };
+    let before = connections(&server);
+    server.cmd(&["CLIENT", "KILL", "ID", old[0]]).unwrap();
+    let late = tokio::time::timeout(Duration::from_secs(5), stuck)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        late.is_err(),
+        "the call on the cut connection fails: {late:?}"
+    );
+    server.cmd(&["CLIENT", "UNPAUSE"]).unwrap();
+    assert_eq!(store.paused_for(&r, &k).await.unwrap(), None);
+    consume(store.clone(), r.clone(), k.clone()).await.unwrap();
+    // The three `server.cmd` calls since `before` each opened a connection of their own.
+    assert_eq!(
+        connections(&server) - before,
+        3,
+        "the store made no connection after the late failure"
+    );
+}
+
 /// Eight independent stores (eight connections, as eight app servers) hammer the same keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_of_eight_never_exceeds_the_limit() {

@@ -336,7 +336,7 @@ struct Connector<C> {
     attempt: parking_lot::Mutex<Option<Outcome<C>>>,
 }
 
-type Outcome<C> = tokio::sync::watch::Receiver<Option<Result<C, StoreError>>>;
+type Outcome<C> = tokio::sync::watch::Receiver<Option<Result<Arc<C>, StoreError>>>;
 
 impl<C: Clone + Send + Sync + 'static> Connector<C> {
     fn new() -> Arc<Connector<C>> {
@@ -346,13 +346,17 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
         })
     }
 
-    fn current(&self) -> Option<C> {
-        self.current.load().as_deref().cloned()
+    fn current(&self) -> Option<Arc<C>> {
+        self.current.load_full()
     }
 
-    /// Forget the connection (it failed): the next caller connects again.
-    fn forget(&self) -> bool {
-        self.current.swap(None).is_some()
+    /// Forget `failed`, the connection a call failed on, if it is still the current one: the
+    /// next caller connects again. A call still in flight on a connection already replaced (by
+    /// an earlier failure's caller, or in the background) can fail after the replacement is
+    /// made; it must not throw the new connection away too. True when it was forgotten.
+    fn forget(&self, failed: &Arc<C>) -> bool {
+        let before = self.current.compare_and_swap(failed, None);
+        before.as_ref().is_some_and(|c| Arc::ptr_eq(c, failed))
     }
 
     /// The connection, made by `connect` (within `limit`) if there is none and no attempt is
@@ -361,7 +365,7 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
         self: &Arc<Self>,
         limit: Duration,
         connect: impl FnOnce() -> F,
-    ) -> Result<C, StoreError>
+    ) -> Result<Arc<C>, StoreError>
     where
         F: std::future::Future<Output = Result<C, StoreError>> + Send + 'static,
     {
@@ -422,9 +426,10 @@ impl<C: Clone + Send + Sync + 'static> Connector<C> {
         let run = async move {
             let result = tokio::time::timeout(limit, work)
                 .await
-                .unwrap_or(Err(StoreError::Timeout(limit)));
+                .unwrap_or(Err(StoreError::Timeout(limit)))
+                .map(Arc::new);
             if let Ok(conn) = &result {
-                ends.0.current.store(Some(Arc::new(conn.clone())));
+                ends.0.current.store(Some(conn.clone()));
             }
             drop(ends);
             let _ = publish.send(Some(result));
@@ -479,9 +484,10 @@ impl<C> Drop for EndsAttempt<C> {
 /// A connection ready for one call.
 enum Ready {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    /// As the connector holds it: a call that finds a node dead forgets this one, not a newer.
+    Cluster(Arc<ClusterConnection>),
     /// Shared until it fails (a pool's, or Sentinel's master's): then forgotten.
-    Shared(MultiplexedConnection),
+    Shared(Arc<MultiplexedConnection>),
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -1178,7 +1184,7 @@ async fn look_past(
         };
         let mut cmd = redis::cmd("CLUSTER");
         cmd.arg("SLOTS");
-        let mut ask = current.clone();
+        let mut ask = (*current).clone();
         let node = SingleNodeRoutingInfo::ByAddress { host, port };
         let answer = ask.route_command(cmd, RoutingInfo::SingleNode(node));
         let Ok(Ok(answer)) = tokio::time::timeout(limit, answer).await else {
@@ -1449,7 +1455,8 @@ impl Inner {
         invocation.key(&keys).arg(&args);
         let result = match self.connection().await? {
             Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
-            Ready::Cluster(mut conn) => {
+            Ready::Cluster(used) => {
+                let mut conn = (*used).clone();
                 let slot = keys.first().map_or(0, |k| slot(k));
                 let mut unanswered = Unanswered(Some((self, slot)));
                 let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
@@ -1493,11 +1500,12 @@ impl Inner {
                     result =
                         follow_redirections(&mut conn, masters, slot, false, first, again).await;
                 }
-                self.forget_dead_node(&result);
+                self.forget_dead_node(&used, &result);
                 result
             }
-            Ready::Shared(mut conn) => {
-                self.on_shared(invocation.invoke_async::<Vec<i64>>(&mut conn))
+            Ready::Shared(used) => {
+                let mut conn = (*used).clone();
+                self.on_shared(&used, invocation.invoke_async::<Vec<i64>>(&mut conn))
                     .await
             }
         };
@@ -1509,9 +1517,13 @@ impl Inner {
     /// does one to a master that turned replica (a failover).
     async fn on_shared<T>(
         &self,
+        used: &Arc<MultiplexedConnection>,
         call: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> redis::RedisResult<T> {
-        let mut guard = DiscardOnDrop(Some(&self.conn));
+        let mut guard = DiscardOnDrop(match &self.conn {
+            Conn::Pool { conn, .. } | Conn::Sentinel { conn, .. } => Some((conn, used)),
+            _ => None,
+        });
         let result = call.await;
         let broken = result.as_ref().is_err_and(|e| {
             e.is_io_error()
@@ -1561,7 +1573,8 @@ impl Inner {
     ) -> Result<redis::RedisResult<T>, StoreError> {
         Ok(match self.connection().await? {
             Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
-            Ready::Cluster(mut conn) => {
+            Ready::Cluster(used) => {
+                let mut conn = (*used).clone();
                 let slot = command_slot(&cmd);
                 let mut unanswered = Unanswered(Some((self, slot)));
                 let first = cmd.query_async::<redis::Value>(&mut conn).await;
@@ -1573,16 +1586,19 @@ impl Inner {
                 let masters = self.masters();
                 let result =
                     follow_redirections(&mut conn, masters, slot, false, first, again).await;
-                self.forget_dead_node(&result);
+                self.forget_dead_node(&used, &result);
                 result.and_then(|value| T::from_redis_value(value).map_err(RedisError::from))
             }
-            Ready::Shared(mut conn) => self.on_shared(cmd.query_async(&mut conn)).await,
+            Ready::Shared(used) => {
+                let mut conn = (*used).clone();
+                self.on_shared(&used, cmd.query_async(&mut conn)).await
+            }
         })
     }
 
     /// A node that stopped answering (a master killed before its replica took over): the next
     /// call connects again and learns the new slot map.
-    fn forget_dead_node<T>(&self, result: &redis::RedisResult<T>) {
+    fn forget_dead_node<T>(&self, used: &Arc<ClusterConnection>, result: &redis::RedisResult<T>) {
         let Err(error) = result else {
             return;
         };
@@ -1592,7 +1608,7 @@ impl Inner {
             || error.is_unrecoverable_error()
             || error.kind() == redis::ErrorKind::ClusterConnectionNotFound;
         if let (true, Conn::Cluster { conn, .. }) = (dead, &self.conn) {
-            if conn.forget() {
+            if conn.forget(used) {
                 tracing::info!(
                     %error,
                     "fleetlimit: a cluster node stopped answering; reconnecting to learn the slot map again"
@@ -1665,7 +1681,7 @@ impl Inner {
                         Ok(manager)
                     }
                 };
-                Ok(Ready::Single(conn.get(limit, connect).await?))
+                Ok(Ready::Single((*conn.get(limit, connect).await?).clone()))
             }
             Conn::Cluster {
                 client,
@@ -1717,13 +1733,18 @@ impl Inner {
     }
 }
 
-/// Forgets the pool's shared connection unless defused.
-struct DiscardOnDrop<'a>(Option<&'a Conn>);
+/// Forgets the shared connection a call was made on unless defused.
+struct DiscardOnDrop<'a>(
+    Option<(
+        &'a Connector<MultiplexedConnection>,
+        &'a Arc<MultiplexedConnection>,
+    )>,
+);
 
 impl Drop for DiscardOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(Conn::Pool { conn, .. } | Conn::Sentinel { conn, .. }) = self.0 {
-            conn.forget();
+        if let Some((connector, used)) = self.0 {
+            connector.forget(used);
         }
     }
 }
@@ -2031,7 +2052,7 @@ mod tests {
             let ready = || async { Ok::<u32, StoreError>(7) };
             connector.get(Duration::from_secs(1), ready).await
         });
-        assert_eq!(made.ok(), Some(7));
+        assert_eq!(made.ok().as_deref().copied(), Some(7));
     }
 
     /// A replacement is made in the background while the current connection goes on serving;
@@ -2042,14 +2063,19 @@ mod tests {
         runtime().block_on(async {
             let first = || async { Ok::<u32, StoreError>(1) };
             assert_eq!(
-                connector.get(Duration::from_secs(1), first).await.ok(),
+                connector
+                    .get(Duration::from_secs(1), first)
+                    .await
+                    .ok()
+                    .as_deref()
+                    .copied(),
                 Some(1)
             );
             let failing = || async { Err::<u32, StoreError>(StoreError::Connection("no".into())) };
             connector.replace(Duration::from_secs(1), failing);
             tokio::time::sleep(Duration::from_millis(10)).await;
             assert_eq!(
-                connector.current(),
+                connector.current().as_deref().copied(),
                 Some(1),
                 "a failed replacement changes nothing"
             );
@@ -2060,9 +2086,39 @@ mod tests {
             connector.replace(Duration::from_secs(1), slow);
             let ignored = || async { Ok::<u32, StoreError>(3) };
             connector.replace(Duration::from_secs(1), ignored);
-            assert_eq!(connector.current(), Some(1), "serving while it is made");
+            assert_eq!(
+                connector.current().as_deref().copied(),
+                Some(1),
+                "serving while it is made"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
-            assert_eq!(connector.current(), Some(2), "one attempt at a time");
+            assert_eq!(
+                connector.current().as_deref().copied(),
+                Some(2),
+                "one attempt at a time"
+            );
+        });
+    }
+
+    /// A call that fails on a connection already replaced forgets nothing: the replacement
+    /// goes on serving, where it used to be thrown away too and every caller waited for a
+    /// third connection. A failure on the current one still forgets it.
+    #[test]
+    fn a_late_failure_on_a_replaced_connection_keeps_the_new_one() {
+        let connector: Arc<Connector<u32>> = Connector::new();
+        runtime().block_on(async {
+            let first = || async { Ok::<u32, StoreError>(1) };
+            let old = connector.get(Duration::from_secs(1), first).await.ok();
+            let old = old.expect("the first connection is made");
+            assert!(connector.forget(&old), "failed while current: forgotten");
+            let second = || async { Ok::<u32, StoreError>(2) };
+            let new = connector.get(Duration::from_secs(1), second).await.ok();
+            assert_eq!(new.as_deref().copied(), Some(2));
+            assert!(!connector.forget(&old), "a late failure on the old one");
+            assert_eq!(connector.current().as_deref().copied(), Some(2));
+            let unused = || async { Ok::<u32, StoreError>(3) };
+            let again = connector.get(Duration::from_secs(1), unused).await.ok();
+            assert_eq!(again.as_deref().copied(), Some(2), "no third connection");
         });
     }
 
@@ -2187,7 +2243,12 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(200)).await;
             let unused = || async { Err::<u32, StoreError>(StoreError::Connection("no".into())) };
             assert_eq!(
-                connector.get(Duration::from_secs(1), unused).await.ok(),
+                connector
+                    .get(Duration::from_secs(1), unused)
+                    .await
+                    .ok()
+                    .as_deref()
+                    .copied(),
                 Some(3)
             );
         });
