@@ -292,6 +292,9 @@ enum Seeds {
     All,
     /// The victim's alone: the other masters are learnt from it.
     VictimOnly,
+    /// The victim's alone, by a host name (`localhost`) where the cluster names its nodes by
+    /// address, as a DNS name in a configuration does.
+    VictimByName,
 }
 
 struct Failover {
@@ -329,6 +332,10 @@ async fn fail_over(cut: fn(&mut RedisCluster, usize), after: Duration, seeds: Se
     let urls = match seeds {
         Seeds::All => cluster.urls(),
         Seeds::VictimOnly => vec![cluster.nodes()[victim].url()],
+        Seeds::VictimByName => vec![format!(
+            "redis://localhost:{}",
+            cluster.nodes()[victim].port()
+        )],
     };
     let fleet = fleet_through(&urls, 1_000_000).await;
     let on_victim: Vec<bool> = keys
@@ -477,6 +484,14 @@ async fn a_hung_master_is_replaced_by_its_promoted_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_master_given_as_the_only_url_is_replaced() {
     hung_master_replaced(Seeds::VictimOnly).await;
+}
+
+/// The same when that URL names the hung master by a host name: it is recognised by what the
+/// name resolves to. (The replacement was given the hung node, and waited for it until it
+/// answered again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_master_given_by_name_is_replaced() {
+    hung_master_replaced(Seeds::VictimByName).await;
 }
 
 async fn hung_master_replaced(seeds: Seeds) {

@@ -134,10 +134,8 @@ enum Conn {
     /// lives at another address, which a new connection learns.
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
-        /// A client for the URLs given but those naming a hung node's address (the same
-        /// settings), or, when it was the only one given, for the same URLs pointed at the
-        /// other masters; `None` when it is not one of them.
-        without: Arc<WithoutNode>,
+        /// The URLs given, for a connection made while a node hangs ([`Seeds::without`]).
+        seeds: Arc<Seeds>,
         conn: Arc<Connector<ClusterConnection>>,
         /// Which master serves each slot, as the last connection learnt it.
         masters: Arc<Masters>,
@@ -171,32 +169,84 @@ fn in_url(address: &str) -> String {
     }
 }
 
-/// The URLs that do not name `address`.
-fn urls_without<'a>(urls: &'a [String], address: &str) -> Vec<&'a str> {
+/// Whether `node` (`host:port`, as a URL writes it) reaches `address` (as `CLUSTER SLOTS` names
+/// a node): it is that address, or a host name that resolves to it, among others or alone
+/// (looked up within `limit`; a name that cannot be looked up in time counts as not reaching
+/// it).
+async fn reaches(node: &str, address: &str, limit: Duration) -> bool {
     let written = in_url(address);
-    urls.iter()
-        .map(String::as_str)
-        .filter(|u| url_node(u) != written)
-        .collect()
+    if node == written {
+        return true;
+    }
+    let Ok(hung) = written.parse::<std::net::SocketAddr>() else {
+        return false;
+    };
+    if node.parse::<std::net::SocketAddr>().is_ok() {
+        return false;
+    }
+    match tokio::time::timeout(limit, tokio::net::lookup_host(node)).await {
+        Ok(Ok(mut found)) => found.any(|a| a == hung),
+        _ => false,
+    }
 }
 
-/// `url`, which names `address`, naming `other` instead (scheme, credentials and database
-/// kept); `None` if it does not name `address`.
-fn url_at(url: &str, address: &str, other: &str) -> Option<String> {
+/// `url` naming `other` (`host:port`, as `CLUSTER SLOTS` names a node) in place of its own
+/// node, its scheme, credentials and database kept.
+fn url_at(url: &str, other: &str) -> String {
     let node = url_node(url);
-    if node != in_url(address) {
-        return None;
-    }
     // `url_node` is a slice of `url`: replace exactly it.
     let start = node.as_ptr() as usize - url.as_ptr() as usize;
     let mut moved = url.to_owned();
     moved.replace_range(start..start + node.len(), &in_url(other));
-    Some(moved)
+    moved
 }
 
-/// See `Conn::Cluster::without`.
-/// (The hung node's address, the other masters' addresses.)
-type WithoutNode = dyn Fn(&str, &[String]) -> Option<redis::cluster::ClusterClient> + Send + Sync;
+/// How a cluster store makes a client for some nodes: the same settings as its own.
+type ClientFor =
+    dyn Fn(Vec<&str>) -> redis::RedisResult<redis::cluster::ClusterClient> + Send + Sync;
+
+/// The URLs a cluster store was given. redis-rs connects to every node it is given, and waits
+/// for a hung one up to the connect timeout: a connection made to get past a hung node must
+/// not be given it.
+struct Seeds {
+    urls: Vec<String>,
+    client_for: Box<ClientFor>,
+}
+
+impl Seeds {
+    /// A client for the URLs given but those that reach `address`, a hung node, by its address
+    /// or by a name (see [`reaches`]); when every URL reaches it, for the same URLs pointed at
+    /// `others`, the other masters. `None` when no URL reaches it (the store's own client will
+    /// do).
+    async fn without(
+        &self,
+        address: &str,
+        others: &[String],
+        limit: Duration,
+    ) -> Option<redis::cluster::ClusterClient> {
+        let mut rest = Vec::with_capacity(self.urls.len());
+        for url in &self.urls {
+            if !reaches(url_node(url), address, limit).await {
+                rest.push(url.as_str());
+            }
+        }
+        if rest.len() == self.urls.len() {
+            return None;
+        }
+        if !rest.is_empty() {
+            return (self.client_for)(rest).ok();
+        }
+        let moved: Vec<String> = self
+            .urls
+            .iter()
+            .flat_map(|url| others.iter().map(|other| url_at(url, other)))
+            .collect();
+        if moved.is_empty() {
+            return None;
+        }
+        (self.client_for)(moved.iter().map(String::as_str).collect()).ok()
+    }
+}
 
 /// The cluster's masters as the store last learnt them (`CLUSTER SLOTS`, read by each new
 /// connection): a number per master address, in order of first sight, and each slot's master.
@@ -674,32 +724,13 @@ impl RedisStoreBuilder {
             setting: "urls",
             reason: e.to_string(),
         })?;
-        let urls: Vec<String> = urls.iter().map(|u| u.as_ref().to_owned()).collect();
-        let without = move |address: &str, others: &[String]| {
-            let rest = urls_without(&urls, address);
-            if rest.len() == urls.len() {
-                return None;
-            }
-            if !rest.is_empty() {
-                return client_for(rest).ok();
-            }
-            // The hung node was the only one given: the same URLs, pointed at the others.
-            let moved: Vec<String> = urls
-                .iter()
-                .flat_map(|url| {
-                    others
-                        .iter()
-                        .filter_map(|other| url_at(url, address, other))
-                })
-                .collect();
-            if moved.is_empty() {
-                return None;
-            }
-            client_for(moved.iter().map(String::as_str).collect()).ok()
+        let seeds = Seeds {
+            urls: urls.iter().map(|u| u.as_ref().to_owned()).collect(),
+            client_for: Box::new(client_for),
         };
         let store = self.finish(Conn::Cluster {
             client: Box::new(client),
-            without: Arc::new(without),
+            seeds: Arc::new(seeds),
             conn: Connector::new(),
             masters: Arc::default(),
         });
@@ -1157,7 +1188,7 @@ fn cluster_attempt(connect_timeout: Duration) -> Duration {
 /// answer MOVED, never nothing, and reconnecting for them would only repeat a connection.
 async fn look_past(
     client: redis::cluster::ClusterClient,
-    without: Arc<WithoutNode>,
+    seeds: Arc<Seeds>,
     conn: Arc<Connector<ClusterConnection>>,
     masters: Arc<Masters>,
     slot: u16,
@@ -1191,12 +1222,10 @@ async fn look_past(
             continue;
         };
         if masters.moved_away(slot, &answer) {
-            // Not through the hung node, when it is one of the URLs given: redis-rs waits for
-            // every node it is given, a hung one up to the connect timeout.
-            let client = suspect
-                .as_deref()
-                .and_then(|s| without(s, &others))
-                .unwrap_or(client);
+            let client = match suspect.as_deref() {
+                Some(hung) => seeds.without(hung, &others, limit).await.unwrap_or(client),
+                None => client,
+            };
             let fresh = masters.clone();
             let started = conn.replace(cluster_attempt(limit), || {
                 connect_cluster(client, fresh, limit)
@@ -1346,7 +1375,7 @@ impl Inner {
     fn suspect_hung_master(&self, slot: u16) {
         let Conn::Cluster {
             client,
-            without,
+            seeds,
             conn,
             masters,
         } = &self.conn
@@ -1361,7 +1390,7 @@ impl Inner {
         }
         runtime.spawn(look_past(
             client.as_ref().clone(),
-            without.clone(),
+            seeds.clone(),
             conn.clone(),
             masters.clone(),
             slot,
@@ -2175,53 +2204,103 @@ mod tests {
         );
     }
 
+    /// A runtime that looks names up (on a blocking thread) with its clock running.
+    fn resolving() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     #[test]
-    fn a_hung_node_is_left_out_of_the_urls_by_its_address() {
-        let urls: Vec<String> = [
-            "redis://127.0.0.1:7000",
-            "rediss://user:secret@127.0.0.1:7001/0",
-            "redis://[::1]:7002",
-            "redis://127.0.0.1:70010",
-        ]
-        .map(String::from)
-        .to_vec();
-        assert_eq!(
-            urls_without(&urls, "127.0.0.1:7001").len(),
-            3,
+    fn a_url_reaches_a_node_by_its_address_or_by_a_name() {
+        let limit = Duration::from_secs(5);
+        let reaches_it = |url: &'static str, address: &'static str| {
+            resolving().block_on(reaches(url_node(url), address, limit))
+        };
+        assert!(
+            reaches_it("rediss://user:secret@127.0.0.1:7001/0", "127.0.0.1:7001"),
             "credentials and a path"
         );
-        assert_eq!(urls_without(&urls, "::1:7002").len(), 3, "an IPv6 host");
-        let rest = urls_without(&urls, "127.0.0.1:7000");
-        assert_eq!(rest.len(), 3);
+        assert!(reaches_it("redis://[::1]:7002", "::1:7002"), "an IPv6 host");
         assert!(
-            rest.contains(&"redis://127.0.0.1:70010"),
+            !reaches_it("redis://127.0.0.1:70010", "127.0.0.1:7001"),
             "a port that only starts alike"
         );
-        assert_eq!(
-            urls_without(&urls, "10.0.0.9:7000").len(),
-            4,
-            "not one of them"
+        assert!(!reaches_it("redis://127.0.0.1:7000", "10.0.0.9:7000"));
+        assert!(
+            reaches_it("redis://localhost:7000", "127.0.0.1:7000"),
+            "a name that resolves to it"
         );
+        assert!(
+            !reaches_it("redis://localhost:7001", "127.0.0.1:7000"),
+            "the name at another port"
+        );
+    }
+
+    /// The URLs a connection past a hung node is given: none that reaches it, by address or by
+    /// name; when all do, the same URLs pointed at the other masters.
+    #[test]
+    fn a_connection_past_a_hung_node_is_given_no_url_that_reaches_it() {
+        let given = Arc::new(parking_lot::Mutex::new(Vec::<Vec<String>>::new()));
+        let seeds = |urls: &[&str]| {
+            let given = given.clone();
+            let client_for = move |nodes: Vec<&str>| {
+                given
+                    .lock()
+                    .push(nodes.iter().map(|n| (*n).to_owned()).collect());
+                redis::cluster::ClusterClient::new(nodes)
+            };
+            Seeds {
+                urls: urls.iter().map(|u| (*u).to_owned()).collect(),
+                client_for: Box::new(client_for),
+            }
+        };
+        let others = ["127.0.0.1:7001".to_owned(), "127.0.0.1:7002".to_owned()];
+        let limit = Duration::from_secs(5);
+        let without = |urls: &[&str]| {
+            resolving().block_on(seeds(urls).without("127.0.0.1:7000", &others, limit))
+        };
+        let by_name = without(&["redis://localhost:7000", "redis://127.0.0.1:7001"]);
+        assert!(by_name.is_some());
+        assert_eq!(
+            given.lock().pop(),
+            Some(vec!["redis://127.0.0.1:7001".to_owned()]),
+            "a name for the hung node is left out"
+        );
+        let only = without(&["rediss://user:secret@localhost:7000/0"]);
+        assert!(only.is_some());
+        assert_eq!(
+            given.lock().pop(),
+            Some(vec![
+                "rediss://user:secret@127.0.0.1:7001/0".to_owned(),
+                "rediss://user:secret@127.0.0.1:7002/0".to_owned(),
+            ]),
+            "the only URL, pointed at the other masters"
+        );
+        assert!(
+            without(&["redis://127.0.0.1:7001", "redis://localhost:7002"]).is_none(),
+            "no URL reaches it: the store's own client"
+        );
+        assert!(given.lock().is_empty());
     }
 
     #[test]
     fn a_url_is_pointed_at_another_node_keeping_the_rest() {
         assert_eq!(
+            url_at("rediss://user:secret@10.0.0.1:7000/0", "10.0.0.2:7001"),
+            "rediss://user:secret@10.0.0.2:7001/0"
+        );
+        assert_eq!(
+            url_at("redis://[::1]:7000", "::2:7001"),
+            "redis://[::2]:7001"
+        );
+        assert_eq!(
             url_at(
-                "rediss://user:secret@10.0.0.1:7000/0",
-                "10.0.0.1:7000",
+                "redis://cache.internal:7000?protocol=resp3",
                 "10.0.0.2:7001"
-            )
-            .as_deref(),
-            Some("rediss://user:secret@10.0.0.2:7001/0")
-        );
-        assert_eq!(
-            url_at("redis://[::1]:7000", "::1:7000", "::2:7001").as_deref(),
-            Some("redis://[::2]:7001")
-        );
-        assert_eq!(
-            url_at("redis://10.0.0.1:70001", "10.0.0.1:7000", "x:1"),
-            None
+            ),
+            "redis://10.0.0.2:7001?protocol=resp3"
         );
     }
 
