@@ -51,9 +51,10 @@ fn rule(
 }
 
 /// A random quota for one algorithm, named `name`: mostly small, sometimes large (where Lua's
-/// doubles must stay exact). Periods are long (≥ 10 s), but a large bucket's key can still live
-/// only milliseconds per permit owed; [`differential`] keeps its clock up with real time.
-fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str) -> Rule {
+/// doubles must stay exact). Periods are 10 s to 60 s (with `wide`, a small quota's can also be
+/// milliseconds, seconds or hours), but a large bucket's key can still live only microseconds
+/// per permit owed; [`differential`] keeps its clock up with real time.
+fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str, wide: bool) -> Rule {
     loop {
         let large = rng.below(4) == 0 && algorithm != Algorithm::SlidingLog;
         let limit = if large {
@@ -61,7 +62,16 @@ fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str) -> Rule {
         } else {
             1 + rng.below(12)
         };
-        let period = Duration::from_millis(10_000 + rng.below(50_000));
+        // `wide`: small quotas also over milliseconds, seconds and hours. (A large one's state
+        // lives microseconds per permit; Redis drops a key on its own clock, to the
+        // millisecond, and the logical clock cannot always keep up with that over a longer
+        // period's faster rate.)
+        let period = match (wide && !large).then(|| rng.below(4)) {
+            Some(0) => Duration::from_millis(1 + rng.below(1_000)),
+            Some(1) => Duration::from_millis(1_000 + rng.below(9_000)),
+            Some(2) => Duration::from_secs(3_600 + rng.below(86_400)),
+            _ => Duration::from_millis(10_000 + rng.below(50_000)),
+        };
         let burst = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra).then(|| {
             if large {
                 1 + rng.below(limit)
@@ -95,22 +105,26 @@ fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str) -> Rule {
 /// changes and clock moves through the memory store and the Redis store (both on one manual
 /// clock) must give identical decisions, field by field (receipts included).
 /// `one_slot`: batches of checks share a key (a cluster decides a batch on one slot; the limiter
-/// composes slots, see `tests/limiter_redis.rs`).
+/// composes slots, see `tests/limiter_redis.rs`). `wide`: quotas beyond 10 s to 60 s, and costs
+/// beyond the quota (see [`random_rule`]).
 async fn differential(
     redis: RedisStore,
     clock: ManualClock,
     seed: u64,
     steps: usize,
     one_slot: bool,
+    wide: bool,
 ) {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let mut rng = Rng(seed);
     let keys: Vec<Key> = (0..4).map(|i| Key::new(format!("k{i}:{{x}}"))).collect();
     let mut quota_changes = 0;
     let mut refunds = 0;
-    // Redis counts a key's TTL down in real time: the logical clock never falls behind the real
-    // time since the start, or a stall could expire a key whose state the memory store keeps.
-    let (started, start) = (std::time::Instant::now(), clock.now_us());
+    // Redis counts a key's TTL down in real time, to the millisecond: the logical clock never
+    // moves less than real time from one step to the next. (Kept only ahead of the real time
+    // since the start, it stood still through a run of steps without a gap while Redis went on
+    // counting, and a state living microseconds per permit was dropped there and not here.)
+    let mut step_started = std::time::Instant::now();
     for algorithm in Algorithm::ALL {
         let names = [
             format!("{}-0", algorithm.name()),
@@ -118,7 +132,7 @@ async fn differential(
         ];
         let mut rules: Vec<Rule> = names
             .iter()
-            .map(|n| random_rule(&mut rng, algorithm, n))
+            .map(|n| random_rule(&mut rng, algorithm, n, wide))
             .collect();
         // Receipts of admissions and leases: (rule, key, where taken).
         let mut receipts: Vec<(usize, Key, Taken)> = Vec::new();
@@ -129,21 +143,22 @@ async fn differential(
                 4..=7 => rng.below(3_000_000),
                 _ => rng.below(70_000_000),
             };
-            clock.advance(Duration::from_micros(gap));
-            clock.set(
-                clock
-                    .now_us()
-                    .max(start + started.elapsed().as_micros() as u64),
-            );
+            clock.advance(Duration::from_micros(gap).max(step_started.elapsed()));
+            step_started = std::time::Instant::now();
             let op = match rng.below(14) {
                 0 => Op::Peek,
                 // A rule's quota changes (a deploy, a live change): both stores read the old
                 // state under the new quota.
                 1 => {
                     let i = step % 2;
-                    rules[i] = random_rule(&mut rng, algorithm, &names[i]);
+                    rules[i] = random_rule(&mut rng, algorithm, &names[i], wide);
                     if std::env::var_os("TRACE").is_some() {
-                        eprintln!("{step} +{gap} quota {} {:?}", names[i], rules[i].quota());
+                        eprintln!(
+                            "{step} @{} quota {} {:?}",
+                            clock.now_us(),
+                            names[i],
+                            rules[i].quota()
+                        );
                     }
                     quota_changes += 1;
                     continue;
@@ -184,6 +199,14 @@ async fn differential(
                     let validity = Duration::from_micros(rng.below(20_000_000));
                     let expected = memory.lease(check, validity).await.unwrap();
                     let got = redis.lease(check, validity).await.unwrap();
+                    if std::env::var_os("TRACE").is_some() {
+                        eprintln!(
+                            "{step} @{} lease {} {key:?} cost {} validity {validity:?} -> {expected:?}",
+                            clock.now_us(),
+                            rules[r].name(),
+                            check.cost
+                        );
+                    }
                     assert_eq!(got, expected, "{algorithm} step {step}: lease");
                     if expected.permits > 0 {
                         let unspent = 1 + rng.below(expected.permits);
@@ -204,7 +227,11 @@ async fn differential(
                 .quota()
                 .capacity()
                 .min(rules[1 - r].quota().capacity());
-            let cost = match rng.below(10) {
+            let cost = match rng.below(if wide { 14 } else { 10 }) {
+                10 => 0,
+                11 => capacity + 1,
+                12 => capacity.saturating_mul(1 + rng.below(3)),
+                13 => [u64::from(u32::MAX), 1 << 53, u64::MAX][rng.below(3) as usize],
                 0 => 1 + rng.below(20),
                 1..=3 => 1 + rng.below(4),
                 4 => 1 + rng.below(capacity),
@@ -281,7 +308,7 @@ async fn redis_decides_exactly_like_memory_on_a_standalone_server() {
         .connect(&server.url())
         .await
         .unwrap();
-    differential(store, clock, 1, 400, false).await;
+    differential(store, clock, 1, 400, false, false).await;
 }
 
 #[tokio::test]
@@ -293,7 +320,21 @@ async fn redis_decides_exactly_like_memory_on_a_cluster() {
         .cluster(&cluster.urls())
         .await
         .unwrap();
-    differential(store, clock, 2, 250, true).await;
+    differential(store, clock, 2, 250, true, false).await;
+}
+
+/// The same with quotas over milliseconds and hours as well, and costs of 0, just over the
+/// quota, and huge (`u32::MAX`, 2^53, `u64::MAX`).
+#[tokio::test]
+async fn redis_decides_exactly_like_memory_at_the_edges() {
+    let server = RedisServer::start();
+    let clock = ManualClock::default();
+    let store = test_store()
+        .clock(clock.clone())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    differential(store, clock, 3, 1_000, false, true).await;
 }
 
 #[tokio::test]

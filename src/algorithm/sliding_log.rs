@@ -10,8 +10,12 @@
 //! store, before it was copied from the shared overflow state) refunds nothing.
 //!
 //! Quota changes: entries are timestamps, so a new limit or period reads them as they are. A
-//! longer period cannot see entries the shorter one already dropped: the promise under the new
-//! period holds from one new period after the change.
+//! longer period sees the entries the log still holds, not those already dropped, and a store
+//! drops the whole log once the shorter period has passed its last entry (Redis by its own
+//! clock, to the millisecond; the memory store when it sweeps): the promise under the new period
+//! holds from one new period after the change, and until then the two stores can count a
+//! lengthened log differently. (The other algorithms convert a state the old quota has let go
+//! to a fresh one, so there they agree.)
 
 use std::collections::VecDeque;
 

@@ -13,9 +13,10 @@
 //! have refilled the debt), so it never lifts the bucket above what it would be without the
 //! request.
 //!
-//! Quota changes: the state is what a full bucket misses, with its scale (units per token); a
-//! state written under another scale is converted to the same number of missing tokens, rounded
-//! up (a full bucket stays full). The debt is kept even where it exceeds a smaller bucket, so two
+//! Quota changes: the state is what a full bucket misses, with its scale (units per token) and
+//! rate; a state written under another quota is first refilled at its own rate up to now (what
+//! that quota let go stays let go, as it would had the store dropped the expired state), then
+//! converted to the same number of missing tokens, rounded up (a full bucket stays full). The debt is kept even where it exceeds a smaller bucket, so two
 //! quotas writing one key never hold more than the larger burst, and refill at most at the
 //! faster rate.
 
@@ -61,6 +62,12 @@ impl TokenBucket {
         let burst = quota.burst();
         let full = burst * scale;
         if self.scale != scale || self.rate != rate {
+            // The time since the last write refills at the rate it was written under, before
+            // the conversion: a state that rate has refilled is a full bucket under any quota,
+            // as it is once expired (Redis drops its key, the memory store may sweep it).
+            // Refilled at the new rate, a debt long paid under a fast quota came back whole
+            // under a slow one, and only where the state had not been dropped yet.
+            self.refill(now, self.rate.max(1));
             self.missing = rescale_ceil(self.missing, self.scale, scale);
             self.scale = scale;
             self.rate = rate;
@@ -68,14 +75,7 @@ impl TokenBucket {
         }
         // A state left by a rule with a larger burst may miss more than this whole bucket: it
         // keeps that debt, so the larger rule reading it back never sees permits come back.
-        // Refill, without multiplying a long idle time by the rate (it could overflow).
-        let elapsed = now.saturating_sub(self.last);
-        if elapsed >= div_ceil(self.missing, rate) {
-            self.missing = 0;
-        } else {
-            self.missing -= elapsed * rate;
-        }
-        self.last = self.last.max(now);
+        self.refill(now, rate);
         // The bucket refills from `last` on: after a clock that stepped back, `now` has that far
         // to go first, and the waits are counted from `now`.
         let behind = self.last - now;
@@ -99,6 +99,19 @@ impl TokenBucket {
             let retry = behind + div_ceil(self.missing + need - full, rate);
             Decision::deny(burst, remaining, us(reset_after), Some(us(retry)))
         }
+    }
+
+    /// Refill from `last` to `now` at `rate` units per µs, without multiplying a long idle time
+    /// by the rate (it could overflow).
+    #[inline(always)]
+    fn refill(&mut self, now: u64, rate: u64) {
+        let elapsed = now.saturating_sub(self.last);
+        if elapsed >= div_ceil(self.missing, rate) {
+            self.missing = 0;
+        } else {
+            self.missing -= elapsed * rate;
+        }
+        self.last = self.last.max(now);
     }
 
     #[inline(always)]
@@ -283,8 +296,9 @@ mod tests {
         back.refund(x);
         assert_eq!(
             back.peek().remaining,
-            6,
-            "24 missing of 30: the refund gave nothing"
+            2,
+            "28 missing of 30 (the 2 s before b's first write refilled at a's rate): the refund \
+             gave nothing"
         );
     }
 

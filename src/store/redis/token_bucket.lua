@@ -12,17 +12,7 @@ function token_bucket.load(key, q)
   }
 end
 
-function token_bucket.decide(st, now, q, cost)
-  local scale, rate, burst = q.token_units, q.refill_units, q.burst
-  local full = burst * scale
-  if st.scale ~= scale or st.rate ~= rate then
-    -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
-    st.dirty = true
-    st.missing = rescale_ceil(st.missing, st.scale, scale)
-    st.scale = scale
-    st.rate = rate
-    st.valid_from = now
-  end
+function token_bucket.refill(st, now, rate)
   local elapsed = math.max(now - st.last, 0)
   if elapsed >= ceil_div(st.missing, rate) then
     st.missing = 0
@@ -30,6 +20,22 @@ function token_bucket.decide(st, now, q, cost)
     st.missing = st.missing - elapsed * rate
   end
   st.last = math.max(st.last, now)
+end
+
+function token_bucket.decide(st, now, q, cost)
+  local scale, rate, burst = q.token_units, q.refill_units, q.burst
+  local full = burst * scale
+  if st.scale ~= scale or st.rate ~= rate then
+    -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
+    st.dirty = true
+    -- The time since the last write refills at the rate it was written under, first.
+    token_bucket.refill(st, now, st.rate)
+    st.missing = rescale_ceil(st.missing, st.scale, scale)
+    st.scale = scale
+    st.rate = rate
+    st.valid_from = now
+  end
+  token_bucket.refill(st, now, rate)
   local behind = st.last - now
 
   local units = math.max(full - st.missing, 0)
