@@ -126,8 +126,10 @@ local function decide_listed(c, l)
 end
 
 if op == 'lease' and listing[1] ~= nil then
-  -- A listed key is decided request by request: no block.
-  emit(decide_listed(checks[1], listing[1]), listed_anchor(listing[1]))
+  -- A listed key is decided request by request: no block. As a peek, it keeps a conversion.
+  local c = checks[1]
+  emit(decide_listed(c, listing[1]), listed_anchor(listing[1]))
+  if c.st.dirty then c.alg.save(c.st, now, c.q) end
   out[#out + 1] = 0
   out[#out + 1] = now
   out[#out + 1] = 0
