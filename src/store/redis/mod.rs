@@ -169,24 +169,57 @@ fn in_url(address: &str) -> String {
     }
 }
 
-/// Whether `node` (`host:port`, as a URL writes it) reaches `address` (as `CLUSTER SLOTS` names
-/// a node): it is that address, or a host name that resolves to it, among others or alone
-/// (looked up within `limit`; a name that cannot be looked up in time counts as not reaching
-/// it).
-async fn reaches(node: &str, address: &str, limit: Duration) -> bool {
-    let written = in_url(address);
-    if node == written {
-        return true;
+/// Which of `urls` reach `address` (a node as `CLUSTER SLOTS` names it): name it as written,
+/// or stand for one of its socket addresses, a name on either side looked up (a URL without a
+/// port is at 6379). Every lookup runs at once, within `limit` in all; what is not found by then
+/// counts as not reaching it. (A lookup given up on still ends on its own blocking thread, as
+/// every `getaddrinfo` does.)
+async fn reaching(urls: &[String], address: &str, limit: Duration) -> Vec<bool> {
+    let hung = in_url(address);
+    let mut nodes: Vec<String> = urls.iter().map(|u| with_port(url_node(u))).collect();
+    nodes.push(hung.clone());
+    let mut found = vec![Vec::new(); nodes.len()];
+    let mut lookups = tokio::task::JoinSet::new();
+    for (i, node) in nodes.into_iter().enumerate() {
+        lookups.spawn(async move { (i, socket_addresses(&node).await) });
     }
-    let Ok(hung) = written.parse::<std::net::SocketAddr>() else {
-        return false;
+    let _ = tokio::time::timeout(limit, async {
+        while let Some(done) = lookups.join_next().await {
+            if let Ok((i, addresses)) = done {
+                found[i] = addresses;
+            }
+        }
+    })
+    .await;
+    let hung_at = found.pop().unwrap_or_default();
+    urls.iter()
+        .zip(&found)
+        .map(|(url, at)| url_node(url) == hung || at.iter().any(|a| hung_at.contains(a)))
+        .collect()
+}
+
+/// `node` (`host:port` as a URL writes it) with Redis's port when it names none.
+fn with_port(node: &str) -> String {
+    let has_port = match node.rsplit_once(']') {
+        Some((_, after)) => after.starts_with(':'),
+        None => node.contains(':'),
     };
-    if node.parse::<std::net::SocketAddr>().is_ok() {
-        return false;
+    if has_port {
+        node.to_owned()
+    } else {
+        format!("{node}:6379")
     }
-    match tokio::time::timeout(limit, tokio::net::lookup_host(node)).await {
-        Ok(Ok(mut found)) => found.any(|a| a == hung),
-        _ => false,
+}
+
+/// The socket addresses `node` (`host:port`) stands for: itself when it is one, else what its
+/// name resolves to (nothing when it cannot be looked up).
+async fn socket_addresses(node: &str) -> Vec<std::net::SocketAddr> {
+    if let Ok(address) = node.parse() {
+        return vec![address];
+    }
+    match tokio::net::lookup_host(node).await {
+        Ok(found) => found.collect(),
+        Err(_) => Vec::new(),
     }
 }
 
@@ -215,7 +248,7 @@ struct Seeds {
 
 impl Seeds {
     /// A client for the URLs given but those that reach `address`, a hung node, by its address
-    /// or by a name (see [`reaches`]); when every URL reaches it, for the same URLs pointed at
+    /// or by a name (see [`reaching`]); when every URL reaches it, for the same URLs pointed at
     /// `others`, the other masters. `None` when no URL reaches it (the store's own client will
     /// do).
     async fn without(
@@ -224,12 +257,14 @@ impl Seeds {
         others: &[String],
         limit: Duration,
     ) -> Option<redis::cluster::ClusterClient> {
-        let mut rest = Vec::with_capacity(self.urls.len());
-        for url in &self.urls {
-            if !reaches(url_node(url), address, limit).await {
-                rest.push(url.as_str());
-            }
-        }
+        let reach = reaching(&self.urls, address, limit).await;
+        let rest: Vec<&str> = self
+            .urls
+            .iter()
+            .zip(&reach)
+            .filter(|(_, reaches)| !**reaches)
+            .map(|(url, _)| url.as_str())
+            .collect();
         if rest.len() == self.urls.len() {
             return None;
         }
@@ -2214,28 +2249,53 @@ mod tests {
 
     #[test]
     fn a_url_reaches_a_node_by_its_address_or_by_a_name() {
-        let limit = Duration::from_secs(5);
-        let reaches_it = |url: &'static str, address: &'static str| {
-            resolving().block_on(reaches(url_node(url), address, limit))
-        };
-        assert!(
-            reaches_it("rediss://user:secret@127.0.0.1:7001/0", "127.0.0.1:7001"),
-            "credentials and a path"
-        );
-        assert!(reaches_it("redis://[::1]:7002", "::1:7002"), "an IPv6 host");
-        assert!(
-            !reaches_it("redis://127.0.0.1:70010", "127.0.0.1:7001"),
-            "a port that only starts alike"
-        );
-        assert!(!reaches_it("redis://127.0.0.1:7000", "10.0.0.9:7000"));
-        assert!(
-            reaches_it("redis://localhost:7000", "127.0.0.1:7000"),
-            "a name that resolves to it"
-        );
-        assert!(
-            !reaches_it("redis://localhost:7001", "127.0.0.1:7000"),
-            "the name at another port"
-        );
+        let cases: &[(&str, &str, bool, &str)] = &[
+            (
+                "rediss://user:secret@127.0.0.1:7001/0",
+                "127.0.0.1:7001",
+                true,
+                "credentials and a path",
+            ),
+            ("redis://[::1]:7002", "::1:7002", true, "an IPv6 host"),
+            (
+                "redis://[0:0:0:0:0:0:0:1]:7002",
+                "::1:7002",
+                true,
+                "an IPv6 host written out",
+            ),
+            (
+                "redis://127.0.0.1:70010",
+                "127.0.0.1:7001",
+                false,
+                "a port that only starts alike",
+            ),
+            ("redis://127.0.0.1:7000", "10.0.0.9:7000", false, "another"),
+            ("redis://127.0.0.1", "127.0.0.1:6379", true, "no port: 6379"),
+            (
+                "redis://localhost:7000",
+                "127.0.0.1:7000",
+                true,
+                "a name that resolves to it",
+            ),
+            (
+                "redis://localhost:7001",
+                "127.0.0.1:7000",
+                false,
+                "the name at another port",
+            ),
+            (
+                "redis://127.0.0.1:7000",
+                "localhost:7000",
+                true,
+                "a cluster that announces names",
+            ),
+        ];
+        for &(url, address, expected, why) in cases {
+            let urls = [url.to_owned()];
+            let limit = Duration::from_secs(5);
+            let reach = resolving().block_on(reaching(&urls, address, limit));
+            assert_eq!(reach, [expected], "{why}: {url} and {address}");
+        }
     }
 
     /// The URLs a connection past a hung node is given: none that reaches it, by address or by

@@ -29,7 +29,7 @@ function token_bucket.decide(st, now, q, cost)
     -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
     st.dirty = true
     -- The time since the last write refills at the rate it was written under, first.
-    token_bucket.refill(st, now, st.rate)
+    token_bucket.refill(st, now, math.max(st.rate, 1))
     st.missing = rescale_ceil(st.missing, st.scale, scale)
     st.scale = scale
     st.rate = rate
