@@ -108,7 +108,7 @@ fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str, wide: bool) -> R
 /// changes and clock moves through the memory store and the Redis store (both on one manual
 /// clock) must give identical decisions, field by field (receipts included).
 /// `one_slot`: batches of checks share a key (a cluster decides a batch on one slot; the limiter
-/// composes slots, see `tests/limiter_redis.rs`). `wide`: quotas beyond 10 s to 60 s (see
+/// composes slots, see `a_limiter_on_a_cluster_decides_exactly_like_one_on_memory`). `wide`: quotas beyond 10 s to 60 s (see
 /// [`random_rule`]), costs beyond the quota, and listings and resets.
 async fn differential(
     redis: RedisStore,
@@ -1622,4 +1622,160 @@ async fn a_plain_command_meeting_a_moved_slot_keeps_the_connection() {
     assert!(!limiter.consume(&key, 1).await.unwrap().degraded);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(store_clients(), before, "the store connected again");
+}
+
+/// A limiter of two rules (per account AND per address) on a cluster, whose keys sit on
+/// different slots and masters (the limiter composes the slot groups: peeks, then takes), and
+/// the same limiter on the memory store (one atomic call), on one manual clock: the same random
+/// requests, receipts refunded, quota changes, per-key overrides, listings, resets and
+/// inspections give identical answers. (The denial cache is off: it answers a refusal from
+/// memory on purpose.)
+#[tokio::test]
+async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
+    let cluster = RedisCluster::start();
+    let clock = ManualClock::default();
+    let redis = test_store()
+        .clock(clock.clone())
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let mut rng = Rng(11);
+    let accounts: Vec<Key> = (0..3).map(|i| Key::new(format!("acct-{i}"))).collect();
+    let addresses: Vec<Key> = (0..3u8)
+        .map(|i| Key::from(std::net::IpAddr::from([203, 0, 113, i])))
+        .collect();
+    let trace = std::env::var_os("TRACE").is_some();
+    let mut step_started = std::time::Instant::now();
+    let (mut compared, mut refunds) = (0, 0);
+    for (round, (first, second)) in Algorithm::ALL
+        .iter()
+        .flat_map(|&a| Algorithm::ALL.iter().map(move |&b| (a, b)))
+        .enumerate()
+    {
+        let names = [format!("account-{round}"), format!("ip-{round}")];
+        let algorithms = [first, second];
+        let rules: Vec<Rule> = (0..2)
+            .map(|i| random_rule(&mut rng, algorithms[i], &names[i], false))
+            .collect();
+        let on_memory = Limiter::builder(memory.clone())
+            .rule(rules[0].clone())
+            .rule(rules[1].clone())
+            .deny_cache(0)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let on_redis = Limiter::builder(redis.clone())
+            .rule(rules[0].clone())
+            .rule(rules[1].clone())
+            .deny_cache(0)
+            .deadline(Duration::from_secs(2))
+            .clock(clock.clone())
+            .on_store_error(OnStoreError::fail_closed())
+            .build()
+            .unwrap();
+        let mut receipts = Vec::new();
+        for step in 0..60 {
+            let gap = match rng.below(10) {
+                0..=3 => 0,
+                4..=7 => rng.below(3_000_000),
+                _ => rng.below(70_000_000),
+            };
+            clock.advance(Duration::from_micros(gap).max(step_started.elapsed()));
+            step_started = std::time::Instant::now();
+            let account = &accounts[rng.below(3) as usize];
+            let address = &addresses[rng.below(3) as usize];
+            let r = rng.below(2) as usize;
+            let key = if r == 0 { account } else { address };
+            let cost = match rng.below(6) {
+                0 => 1 + rng.below(rules[r].quota().capacity() + 1),
+                1 => 2,
+                _ => 1,
+            };
+            let op = rng.below(14);
+            let what = format!("round {round} ({first}, {second}) step {step} op {op}");
+            match op {
+                0..=6 => {
+                    let op = if op == 6 { Op::Peek } else { Op::Consume };
+                    let targets = [(names[0].as_str(), account), (names[1].as_str(), address)];
+                    let expected = on_memory.apply_to(op, &targets, cost).await.unwrap();
+                    let got = on_redis.apply_to(op, &targets, cost).await.unwrap();
+                    if trace {
+                        eprintln!("{what} {op:?} {account:?} {address:?} {cost} -> {expected:?}");
+                    }
+                    assert_eq!(got, expected, "{what}: {op:?} cost {cost}");
+                    compared += 1;
+                }
+                7 => {
+                    let (expected, a) = on_memory.consume_with_receipt(key, cost).await.unwrap();
+                    let (got, b) = on_redis.consume_with_receipt(key, cost).await.unwrap();
+                    assert_eq!(got, expected, "{what}: consume with a receipt");
+                    assert_eq!(a.is_some(), b.is_some(), "{what}: a receipt on both");
+                    if let (Some(a), Some(b)) = (a, b) {
+                        receipts.push((a, b));
+                    }
+                    compared += 1;
+                }
+                8 if !receipts.is_empty() => {
+                    let (a, b) = receipts.swap_remove(rng.below(receipts.len() as u64) as usize);
+                    on_memory.refund(a).await.unwrap();
+                    on_redis.refund(b).await.unwrap();
+                    refunds += 1;
+                }
+                9 => {
+                    let quota = random_rule(&mut rng, algorithms[r], &names[r], false)
+                        .quota()
+                        .clone();
+                    on_memory.set_quota(&names[r], quota.clone()).unwrap();
+                    on_redis.set_quota(&names[r], quota).unwrap();
+                }
+                10 => {
+                    let quota = (rng.below(3) > 0).then(|| {
+                        random_rule(&mut rng, algorithms[r], &names[r], false)
+                            .quota()
+                            .clone()
+                    });
+                    on_memory
+                        .set_override(&names[r], key, quota.clone())
+                        .unwrap();
+                    on_redis.set_override(&names[r], key, quota).unwrap();
+                }
+                11 => {
+                    let block = Duration::from_micros(1_000 * rng.below(5_000) + 500);
+                    match rng.below(5) {
+                        0 => {
+                            on_memory.block(key, block).await.unwrap();
+                            on_redis.block(key, block).await.unwrap();
+                        }
+                        1 => {
+                            on_memory.deny(key).await.unwrap();
+                            on_redis.deny(key).await.unwrap();
+                        }
+                        2 => {
+                            on_memory.allow(key).await.unwrap();
+                            on_redis.allow(key).await.unwrap();
+                        }
+                        _ => {
+                            on_memory.unblock(key).await.unwrap();
+                            on_redis.unblock(key).await.unwrap();
+                        }
+                    }
+                }
+                12 => {
+                    on_memory.reset_rule(key, &names[r]).await.unwrap();
+                    on_redis.reset_rule(key, &names[r]).await.unwrap();
+                }
+                _ => {
+                    let expected = on_memory.inspect(key).await.unwrap();
+                    let got = on_redis.inspect(key).await.unwrap();
+                    assert_eq!(got, expected, "{what}: inspect {key:?}");
+                    compared += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        compared > 1_000 && refunds > 20,
+        "{compared} compared, {refunds} refunds"
+    );
 }

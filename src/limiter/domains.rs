@@ -114,11 +114,14 @@ impl Inner {
             .iter()
             .filter_map(|&i| {
                 let d = out[i].as_mut()?;
-                d.remaining += checks[i].cost;
+                // A listed key's decision took nothing (an allowed one reads its permits as
+                // they are): nothing to give back, and nothing to add.
+                let taken = d.taken.take()?;
+                d.remaining = d.remaining.saturating_add(checks[i].cost);
                 Some(Refund {
                     rule: checks[i].rule,
                     key: checks[i].key,
-                    taken: d.taken.take()?,
+                    taken,
                 })
             })
             .collect();
