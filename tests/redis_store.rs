@@ -1628,8 +1628,8 @@ async fn a_plain_command_meeting_a_moved_slot_keeps_the_connection() {
 /// different slots and masters (the limiter composes the slot groups: peeks, then takes), and
 /// the same limiter on the memory store (one atomic call), on one manual clock: the same random
 /// requests, receipts refunded, quota changes, per-key overrides, listings, resets and
-/// inspections give identical answers. (The denial cache is off: it answers a refusal from
-/// memory on purpose.)
+/// inspections give identical answers, each with a penalty box blocking keys refused again and
+/// again. (The denial cache is off: it answers a refusal from memory on purpose.)
 #[tokio::test]
 async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
     let cluster = RedisCluster::start();
@@ -1662,6 +1662,11 @@ async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
             .rule(rules[0].clone())
             .rule(rules[1].clone())
             .deny_cache(0)
+            .penalty(fleetlimit::Penalty::new(
+                3,
+                Duration::from_secs(10),
+                Duration::from_millis(2_500),
+            ))
             .clock(clock.clone())
             .build()
             .unwrap();
@@ -1669,6 +1674,11 @@ async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
             .rule(rules[0].clone())
             .rule(rules[1].clone())
             .deny_cache(0)
+            .penalty(fleetlimit::Penalty::new(
+                3,
+                Duration::from_secs(10),
+                Duration::from_millis(2_500),
+            ))
             .deadline(Duration::from_secs(2))
             .clock(clock.clone())
             .on_store_error(OnStoreError::fail_closed())
