@@ -1639,8 +1639,25 @@ async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
         .cluster(&cluster.urls())
         .await
         .unwrap();
+    limiter_differential(redis, clock, 11).await;
+}
+
+/// The same on a standalone server, where every request is one call.
+#[tokio::test]
+async fn a_limiter_on_a_standalone_server_decides_exactly_like_one_on_memory() {
+    let server = RedisServer::start();
+    let clock = ManualClock::default();
+    let redis = test_store()
+        .clock(clock.clone())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    limiter_differential(redis, clock, 12).await;
+}
+
+async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    let mut rng = Rng(11);
+    let mut rng = Rng(seed);
     let accounts: Vec<Key> = (0..3).map(|i| Key::new(format!("acct-{i}"))).collect();
     let addresses: Vec<Key> = (0..3u8)
         .map(|i| Key::from(std::net::IpAddr::from([203, 0, 113, i])))
