@@ -104,6 +104,39 @@ fn random_rule(rng: &mut Rng, algorithm: Algorithm, name: &str, wide: bool) -> R
     }
 }
 
+/// Moves a differential's manual clock from one step to the next: mostly small steps, sometimes
+/// across windows, and never less than the real time the step took. Redis counts a key's TTL
+/// down in real time, to the millisecond; a clock kept only ahead of the real time since the
+/// start stood still through a run of steps without a gap while Redis went on counting, and a
+/// state living microseconds per permit was dropped there and not in the memory store.
+struct Steps {
+    clock: ManualClock,
+    last: std::time::Instant,
+}
+
+impl Steps {
+    fn new(clock: &ManualClock) -> Steps {
+        Steps {
+            clock: clock.clone(),
+            last: std::time::Instant::now(),
+        }
+    }
+
+    /// The next step; the gap drawn (µs).
+    fn next(&mut self, rng: &mut Rng) -> u64 {
+        let gap = match rng.below(10) {
+            0..=3 => 0,
+            4..=7 => rng.below(3_000_000),
+            _ => rng.below(70_000_000),
+        };
+        let now = std::time::Instant::now();
+        self.clock
+            .advance(Duration::from_micros(gap).max(now - self.last));
+        self.last = now;
+        gap
+    }
+}
+
 /// The same random sequence of consumes, peeks, refunds by receipt, leases and give-backs, quota
 /// changes and clock moves through the memory store and the Redis store (both on one manual
 /// clock) must give identical decisions, field by field (receipts included).
@@ -123,11 +156,7 @@ async fn differential(
     let keys: Vec<Key> = (0..4).map(|i| Key::new(format!("k{i}:{{x}}"))).collect();
     let mut quota_changes = 0;
     let mut refunds = 0;
-    // Redis counts a key's TTL down in real time, to the millisecond: the logical clock never
-    // moves less than real time from one step to the next. (Kept only ahead of the real time
-    // since the start, it stood still through a run of steps without a gap while Redis went on
-    // counting, and a state living microseconds per permit was dropped there and not here.)
-    let mut step_started = std::time::Instant::now();
+    let mut steps_clock = Steps::new(&clock);
     for algorithm in Algorithm::ALL {
         let names = [
             format!("{}-0", algorithm.name()),
@@ -140,15 +169,7 @@ async fn differential(
         // Receipts of admissions and leases: (rule, key, where taken).
         let mut receipts: Vec<(usize, Key, Taken)> = Vec::new();
         for step in 0..steps {
-            // Mostly small steps, sometimes across windows.
-            let gap = match rng.below(10) {
-                0..=3 => 0,
-                4..=7 => rng.below(3_000_000),
-                _ => rng.below(70_000_000),
-            };
-            let now = std::time::Instant::now();
-            clock.advance(Duration::from_micros(gap).max(now - step_started));
-            step_started = now;
+            let gap = steps_clock.next(&mut rng);
             let op = match rng.below(if wide { 18 } else { 14 }) {
                 0 => Op::Peek,
                 // A rule's quota changes (a deploy, a live change): both stores read the old
@@ -344,27 +365,33 @@ async fn differential(
     );
 }
 
+/// A standalone server, and a store on it that reads `clock`.
+async fn standalone_on(clock: &ManualClock) -> (RedisServer, RedisStore) {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = test_store().clock(clock.clone()).connect(&url).await;
+    (server, store.unwrap())
+}
+
+/// A 3-master cluster, and a store on it that reads `clock`.
+async fn cluster_on(clock: &ManualClock) -> (RedisCluster, RedisStore) {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let store = test_store().clock(clock.clone()).cluster(&urls).await;
+    (cluster, store.unwrap())
+}
+
 #[tokio::test]
 async fn redis_decides_exactly_like_memory_on_a_standalone_server() {
-    let server = RedisServer::start();
     let clock = ManualClock::default();
-    let store = test_store()
-        .clock(clock.clone())
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let (_server, store) = standalone_on(&clock).await;
     differential(store, clock, 1, 400, false, false).await;
 }
 
 #[tokio::test]
 async fn redis_decides_exactly_like_memory_on_a_cluster() {
-    let cluster = RedisCluster::start();
     let clock = ManualClock::default();
-    let store = test_store()
-        .clock(clock.clone())
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let (_cluster, store) = cluster_on(&clock).await;
     differential(store, clock, 2, 250, true, false).await;
 }
 
@@ -373,13 +400,8 @@ async fn redis_decides_exactly_like_memory_on_a_cluster() {
 /// resets among the steps.
 #[tokio::test]
 async fn redis_decides_exactly_like_memory_at_the_edges() {
-    let server = RedisServer::start();
     let clock = ManualClock::default();
-    let store = test_store()
-        .clock(clock.clone())
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let (_server, store) = standalone_on(&clock).await;
     differential(store, clock, 2, 1_000, false, true).await;
 }
 
@@ -1633,27 +1655,35 @@ async fn a_plain_command_meeting_a_moved_slot_keeps_the_connection() {
 /// again. (The denial cache is off: it answers a refusal from memory on purpose.)
 #[tokio::test]
 async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
-    let cluster = RedisCluster::start();
     let clock = ManualClock::default();
-    let redis = test_store()
-        .clock(clock.clone())
-        .cluster(&cluster.urls())
-        .await
-        .unwrap();
+    let (_cluster, redis) = cluster_on(&clock).await;
     limiter_differential(redis, clock, 11).await;
 }
 
 /// The same on a standalone server, where every request is one call.
 #[tokio::test]
 async fn a_limiter_on_a_standalone_server_decides_exactly_like_one_on_memory() {
-    let server = RedisServer::start();
     let clock = ManualClock::default();
-    let redis = test_store()
-        .clock(clock.clone())
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let (_server, redis) = standalone_on(&clock).await;
     limiter_differential(redis, clock, 12).await;
+}
+
+/// The limiter [`limiter_differential`] compares, on `store`: a penalty box, and the denial
+/// cache off (it answers a refusal from memory on purpose).
+fn compared_limiter<S: Store>(
+    store: S,
+    rules: &[Rule],
+    clock: &ManualClock,
+) -> fleetlimit::LimiterBuilder<S> {
+    let penalty =
+        fleetlimit::Penalty::new(3, Duration::from_secs(10), Duration::from_millis(2_500));
+    Limiter::builder(store)
+        .rule(rules[0].clone())
+        .rule(rules[1].clone())
+        .deny_cache(0)
+        .penalty(penalty)
+        .deadline(Duration::from_secs(30))
+        .clock(clock.clone())
 }
 
 async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) {
@@ -1664,7 +1694,7 @@ async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) 
         .map(|i| Key::from(std::net::IpAddr::from([203, 0, 113, i])))
         .collect();
     let trace = std::env::var_os("TRACE").is_some();
-    let mut step_started = std::time::Instant::now();
+    let mut steps_clock = Steps::new(&clock);
     let (mut compared, mut refunds) = (0, 0);
     for (round, (first, second)) in Algorithm::ALL
         .iter()
@@ -1676,42 +1706,16 @@ async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) 
         let rules: Vec<Rule> = (0..2)
             .map(|i| random_rule(&mut rng, algorithms[i], &names[i], false))
             .collect();
-        let on_memory = Limiter::builder(memory.clone())
-            .rule(rules[0].clone())
-            .rule(rules[1].clone())
-            .deny_cache(0)
-            .penalty(fleetlimit::Penalty::new(
-                3,
-                Duration::from_secs(10),
-                Duration::from_millis(2_500),
-            ))
-            .clock(clock.clone())
+        let on_memory = compared_limiter(memory.clone(), &rules, &clock)
             .build()
             .unwrap();
-        let on_redis = Limiter::builder(redis.clone())
-            .rule(rules[0].clone())
-            .rule(rules[1].clone())
-            .deny_cache(0)
-            .penalty(fleetlimit::Penalty::new(
-                3,
-                Duration::from_secs(10),
-                Duration::from_millis(2_500),
-            ))
-            .deadline(Duration::from_secs(30))
-            .clock(clock.clone())
+        let on_redis = compared_limiter(redis.clone(), &rules, &clock)
             .on_store_error(OnStoreError::fail_closed())
             .build()
             .unwrap();
         let mut receipts = Vec::new();
         for step in 0..60 {
-            let gap = match rng.below(10) {
-                0..=3 => 0,
-                4..=7 => rng.below(3_000_000),
-                _ => rng.below(70_000_000),
-            };
-            let now = std::time::Instant::now();
-            clock.advance(Duration::from_micros(gap).max(now - step_started));
-            step_started = now;
+            steps_clock.next(&mut rng);
             let account = &accounts[rng.below(3) as usize];
             let address = &addresses[rng.below(3) as usize];
             let r = rng.below(2) as usize;

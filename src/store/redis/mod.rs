@@ -2087,6 +2087,18 @@ impl Store for RedisStore {
 mod tests {
     use super::*;
 
+    /// The value of the connection `get` hands out (made by `connect` within a second).
+    async fn value_of<F>(
+        connector: &Arc<Connector<u32>>,
+        connect: impl FnOnce() -> F,
+    ) -> Option<u32>
+    where
+        F: std::future::Future<Output = Result<u32, StoreError>> + Send + 'static,
+    {
+        let got = connector.get(Duration::from_secs(1), connect).await;
+        got.ok().as_deref().copied()
+    }
+
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
             .enable_time()
@@ -2126,15 +2138,7 @@ mod tests {
         let connector: Arc<Connector<u32>> = Connector::new();
         runtime().block_on(async {
             let first = || async { Ok::<u32, StoreError>(1) };
-            assert_eq!(
-                connector
-                    .get(Duration::from_secs(1), first)
-                    .await
-                    .ok()
-                    .as_deref()
-                    .copied(),
-                Some(1)
-            );
+            assert_eq!(value_of(&connector, first).await, Some(1));
             let failing = || async { Err::<u32, StoreError>(StoreError::Connection("no".into())) };
             connector.replace(Duration::from_secs(1), failing);
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -2381,15 +2385,7 @@ mod tests {
             assert!(gave_up.is_err());
             tokio::time::sleep(Duration::from_millis(200)).await;
             let unused = || async { Err::<u32, StoreError>(StoreError::Connection("no".into())) };
-            assert_eq!(
-                connector
-                    .get(Duration::from_secs(1), unused)
-                    .await
-                    .ok()
-                    .as_deref()
-                    .copied(),
-                Some(3)
-            );
+            assert_eq!(value_of(&connector, unused).await, Some(3));
         });
     }
 }
