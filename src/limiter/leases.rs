@@ -37,7 +37,7 @@ struct Block {
     seen: Decision,
     /// When the shared state is full again (µs, the limiter's clock), for `reset_after`.
     reset_at: u64,
-    /// The limiter's quotas when it was leased ([`Leases::generation`]): after a change, its
+    /// The key's quotas when it was leased ([`Leases::generation_of`]): after a change, its
     /// permits are not spent, since its validity was cut to the old quota's window.
     generation: u64,
 }
@@ -161,6 +161,8 @@ struct Slot {
     /// Set when the sweeper takes the slot out of leased mode: a refill that gets the lock
     /// afterwards decides through the store rather than strand a block in a slot nobody sees.
     retired: AtomicBool,
+    /// Counts changes of this key's own quota ([`Leases::key_quota_changed`]).
+    quota_changes: AtomicU64,
 }
 
 /// The most keys whose rate is tracked for promotion.
@@ -212,8 +214,21 @@ impl Leases {
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
-    fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
+    /// One key's quota changed (an override set or removed): its block, leased under the old
+    /// one, is spent no more, as in [`quotas_changed`](Leases::quotas_changed); the other keys'
+    /// blocks go on. A key without a slot has no block to retire: an override's requests are
+    /// decided by the store, never leased.
+    pub(crate) fn key_quota_changed(&self, index: usize, key: &Key) {
+        if let Some(slot) = self.slots.load().get(&(index, key.clone())) {
+            slot.quota_changes.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The quotas `slot`'s block must have been leased under to be spent: the limiter's
+    /// changes and the key's own, both only ever counted up.
+    fn generation_of(&self, slot: &Slot) -> u64 {
+        let all = self.generation.load(Ordering::Acquire);
+        all.wrapping_add(slot.quota_changes.load(Ordering::Acquire))
     }
 
     pub(crate) fn lease_calls(&self) -> u64 {
@@ -280,7 +295,6 @@ impl Inner {
         let now = self.clock.now_us();
         let key: SlotKey = (index, check.key.clone());
         let leases = &self.leases;
-        let generation = leases.generation();
         let slot = match leases.slots.load().get(&key).cloned() {
             Some(slot) => slot,
             None if leases.slots.load().len() < MAX_LEASED_KEYS
@@ -292,6 +306,7 @@ impl Inner {
         };
         slot.last_used.store(now, Ordering::Relaxed);
         let rate = slot.rate.tick(now);
+        let generation = leases.generation_of(&slot);
         if let Some(d) = slot.block.load().spend(check.cost, now, generation) {
             return Ok(Some(d));
         }
@@ -319,7 +334,7 @@ impl Inner {
         self.leases.config(index)?;
         let slots = self.leases.slots.load();
         let slot = slots.get(&(index, check.key.clone()))?;
-        let generation = self.leases.generation();
+        let generation = self.leases.generation_of(slot);
         let decision = slot.block.load().spend(check.cost, now, generation)?;
         slot.last_used.store(now, Ordering::Relaxed);
         let _rate = slot.rate.tick(now);
@@ -333,6 +348,7 @@ impl Inner {
             last_used: AtomicU64::new(now),
             rate: RateMeter::default(),
             retired: AtomicBool::new(false),
+            quota_changes: AtomicU64::new(0),
         });
         let mut winner = slot.clone();
         self.leases.slots.rcu(|map| {
@@ -367,7 +383,7 @@ impl Inner {
         let started = asked.at;
         // Read before the rules: a block leased under quotas replaced meanwhile is stamped
         // with the old generation, and never spent.
-        let generation = self.leases.generation();
+        let generation = self.leases.generation_of(slot);
         if self.rule_index(check.rule).is_none() {
             drop(one_at_a_time);
             return self.decide_direct(check, deadline).await;
@@ -787,6 +803,46 @@ mod tests {
                 "{admitted} admitted in [1 s, 2 s) under quotas of 1000 (override: {by_override})"
             );
         }
+    }
+
+    /// An override changes one key's quota: that key's block is retired, while every other
+    /// leased key goes on spending its own, with no new lease (every block was retired, and
+    /// each leased key paid a lease call per override change).
+    #[tokio::test(start_paused = true)]
+    async fn an_override_retires_only_its_own_keys_block() {
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let quota = |limit| {
+            crate::Quota::per_minute(limit)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap()
+        };
+        let leased = Limiter::builder(store)
+            .rule(Rule::new("hot", quota(1000)).unwrap())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", LeaseConfig::fixed(100))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let (a, b) = (Key::new("a"), Key::new("b"));
+        for key in [&a, &b] {
+            let d = leased.consume(key, 1).await.unwrap();
+            assert_eq!(d.source, Source::Lease, "{key:?} leased a block");
+        }
+        let calls = leased.stats().lease_calls;
+        leased.set_override("hot", &a, Some(quota(2000))).unwrap();
+        let d = leased.consume(&b, 1).await.unwrap();
+        assert_eq!(d.source, Source::Lease);
+        assert_eq!(leased.stats().lease_calls, calls, "b's block goes on");
+        leased.set_override("hot", &a, None).unwrap();
+        let d = leased.consume(&a, 1).await.unwrap();
+        assert_eq!(d.source, Source::Lease);
+        assert_eq!(
+            leased.stats().lease_calls,
+            calls + 1,
+            "a's block, leased before its quota changed twice, is not spent: a new one is"
+        );
     }
 
     /// A request larger than what the key's block holds, when the store has fewer left than

@@ -358,8 +358,8 @@ impl Limiter {
         }
         inner.overrides.store(Arc::new(overrides));
         // A block leased under the key's old quota is not spent under its new one (after the
-        // overrides, as `set_quotas` does after the rules).
-        inner.leases.quotas_changed();
+        // overrides, as `set_quotas` does after the rules); the other keys' blocks go on.
+        inner.leases.key_quota_changed(index, key);
         if let Some(denials) = &inner.denials {
             denials.forget(key);
         }
