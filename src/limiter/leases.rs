@@ -216,8 +216,9 @@ impl Leases {
 
     /// One key's quota changed (an override set or removed): its block, leased under the old
     /// one, is spent no more, as in [`quotas_changed`](Leases::quotas_changed); the other keys'
-    /// blocks go on. A key without a slot has no block to retire: an override's requests are
-    /// decided by the store, never leased.
+    /// blocks go on. A key whose slot is not in the map spends nothing: it never had a block
+    /// (an override's requests are decided by the store, never leased), or its slot was marked
+    /// retired before it left the map.
     pub(crate) fn key_quota_changed(&self, index: usize, key: &Key) {
         if let Some(slot) = self.slots.load().get(&(index, key.clone())) {
             slot.quota_changes.fetch_add(1, Ordering::AcqRel);
@@ -225,10 +226,14 @@ impl Leases {
     }
 
     /// The quotas `slot`'s block must have been leased under to be spent: the limiter's
-    /// changes and the key's own, both only ever counted up.
-    fn generation_of(&self, slot: &Slot) -> u64 {
+    /// changes and the key's own, both only ever counted up. `None` once the slot is retired:
+    /// out of the map, it would miss its key's next quota change.
+    fn generation_of(&self, slot: &Slot) -> Option<u64> {
+        if slot.retired.load(Ordering::Acquire) {
+            return None;
+        }
         let all = self.generation.load(Ordering::Acquire);
-        all.wrapping_add(slot.quota_changes.load(Ordering::Acquire))
+        Some(all.wrapping_add(slot.quota_changes.load(Ordering::Acquire)))
     }
 
     pub(crate) fn lease_calls(&self) -> u64 {
@@ -306,8 +311,10 @@ impl Inner {
         };
         slot.last_used.store(now, Ordering::Relaxed);
         let rate = slot.rate.tick(now);
-        let generation = leases.generation_of(&slot);
-        if let Some(d) = slot.block.load().spend(check.cost, now, generation) {
+        let spent = leases
+            .generation_of(&slot)
+            .and_then(|generation| slot.block.load().spend(check.cost, now, generation));
+        if let Some(d) = spent {
             return Ok(Some(d));
         }
         if self.listings.is_listed(check.key, now) {
@@ -334,7 +341,7 @@ impl Inner {
         self.leases.config(index)?;
         let slots = self.leases.slots.load();
         let slot = slots.get(&(index, check.key.clone()))?;
-        let generation = self.leases.generation_of(slot);
+        let generation = self.leases.generation_of(slot)?;
         let decision = slot.block.load().spend(check.cost, now, generation)?;
         slot.last_used.store(now, Ordering::Relaxed);
         let _rate = slot.rate.tick(now);
@@ -382,12 +389,14 @@ impl Inner {
         let asked = self.asked(Some(check.key));
         let started = asked.at;
         // Read before the rules: a block leased under quotas replaced meanwhile is stamped
-        // with the old generation, and never spent.
-        let generation = self.leases.generation_of(slot);
-        if self.rule_index(check.rule).is_none() {
+        // with the old generation, and never spent. A retired slot, or a rule replaced since
+        // the request read it: the store decides.
+        let (Some(generation), Some(_)) =
+            (self.leases.generation_of(slot), self.rule_index(check.rule))
+        else {
             drop(one_at_a_time);
             return self.decide_direct(check, deadline).await;
-        }
+        };
         // Someone may have refilled while we waited, or learnt that the key is refused.
         if let Some(d) = slot.block.load().spend(check.cost, started, generation) {
             return Ok(d);
@@ -610,6 +619,11 @@ impl Inner {
 
     /// Give back every unspent leased permit now (for a shutdown) and leave leased mode.
     pub(super) async fn release_all(&self) {
+        // Marked retired before they leave the map (see `key_quota_changed`), and again after,
+        // for a slot inserted meanwhile.
+        for slot in self.leases.slots.load().values() {
+            slot.retired.store(true, Ordering::Release);
+        }
         let slots = self.leases.slots.swap(Arc::new(HashMap::new()));
         for ((index, key), slot) in slots.iter() {
             self.retire(*index, key, slot).await;
@@ -654,6 +668,12 @@ impl Inner {
         }
         if quiet.is_empty() {
             return;
+        }
+        // Retired before they leave the map: a request still holding one spends nothing from
+        // it, since a quota change of its key would no longer find it (see
+        // `key_quota_changed`). Each is either removed below or was replaced already.
+        for (_, slot) in &quiet {
+            slot.retired.store(true, Ordering::Release);
         }
         self.leases.slots.rcu(|map| {
             let mut map = HashMap::clone(map);
@@ -843,6 +863,56 @@ mod tests {
             calls + 1,
             "a's block, leased before its quota changed twice, is not spent: a new one is"
         );
+    }
+
+    /// Quiet keys' slots are retired before the sweeper takes them out of the map: a request
+    /// that picked one up before spends nothing from it, since a change of its key's quota
+    /// (`set_override`) would no longer find it. Two slots, each with a refill in flight: the
+    /// sweeper waits for the first one's, and the second must not sit out of the map unretired.
+    #[tokio::test(start_paused = true)]
+    async fn slots_are_retired_before_they_leave_the_map() {
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let leased = Limiter::builder(store)
+            .rule(hot_rule())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", LeaseConfig::fixed(10))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let keys = [Key::new("a"), Key::new("b")];
+        for key in &keys {
+            assert_eq!(leased.consume(key, 1).await.unwrap().source, Source::Lease);
+        }
+        let inner = leased.inner.clone();
+        let slots: Vec<Arc<Slot>> = keys
+            .iter()
+            .filter_map(|k| inner.leases.slots.load().get(&(0, k.clone())).cloned())
+            .collect();
+        assert_eq!(slots.len(), 2);
+        let mut refilling = Vec::new();
+        for slot in &slots {
+            assert!(inner.leases.generation_of(slot).is_some());
+            refilling.push(slot.refill.lock().await);
+        }
+        clock.advance(Duration::from_secs(10));
+        let sweeper = tokio::spawn({
+            let inner = inner.clone();
+            let now = clock.now_us();
+            async move { inner.sweep_once(now).await }
+        });
+        while !inner.leases.slots.load().is_empty() {
+            tokio::task::yield_now().await;
+        }
+        for slot in &slots {
+            assert_eq!(
+                inner.leases.generation_of(slot),
+                None,
+                "out of the map, so retired: nothing is spent from it"
+            );
+        }
+        drop(refilling);
+        sweeper.await.unwrap();
     }
 
     /// A request larger than what the key's block holds, when the store has fewer left than
