@@ -405,13 +405,18 @@ async fn redis_decides_exactly_like_memory_at_the_edges() {
     differential(store, clock, 2, 1_000, false, true).await;
 }
 
-#[tokio::test]
-async fn a_deadpool_pool_works_and_shares_one_connection() {
-    let server = RedisServer::start();
+/// A store on a default deadpool-redis pool for `server`.
+fn pooled(server: &RedisServer) -> RedisStore {
     let pool = deadpool_redis::Config::from_url(server.url())
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
-    let store = test_store().pool(pool.clone()).unwrap();
+    test_store().pool(pool).unwrap()
+}
+
+#[tokio::test]
+async fn a_deadpool_pool_works_and_shares_one_connection() {
+    let server = RedisServer::start();
+    let store = pooled(&server);
     let r = rule(
         "pool",
         Algorithm::SlidingLog,
@@ -454,10 +459,7 @@ async fn a_deadpool_pool_works_and_shares_one_connection() {
 #[tokio::test]
 async fn a_late_failure_on_a_replaced_pool_connection_keeps_the_new_one() {
     let server = RedisServer::start();
-    let pool = deadpool_redis::Config::from_url(server.url())
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .unwrap();
-    let store = test_store().pool(pool).unwrap();
+    let store = pooled(&server);
     let r = Arc::new(rule(
         "late",
         Algorithm::FixedWindow,

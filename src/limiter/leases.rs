@@ -739,16 +739,25 @@ mod tests {
     fn fleet(config: LeaseConfig) -> (Limiter, Limiter, ManualClock) {
         let clock = ManualClock::new(T0);
         let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let rule = hot_rule();
-        let leased = Limiter::builder(store.clone())
-            .rule(rule.clone())
+        let leased = leasing(store.clone(), hot_rule(), config, &clock);
+        let plain = Limiter::builder(store).rule(hot_rule()).build().unwrap();
+        (leased, plain, clock)
+    }
+
+    /// A limiter leasing `rule` (named "hot") on `store` and `clock`, failing closed.
+    fn leasing(
+        store: MemoryStore,
+        rule: Rule,
+        config: LeaseConfig,
+        clock: &ManualClock,
+    ) -> Limiter {
+        Limiter::builder(store)
+            .rule(rule)
             .on_store_error(OnStoreError::fail_closed())
             .lease("hot", config)
             .clock(clock.clone())
             .build()
-            .unwrap();
-        let plain = Limiter::builder(store).rule(rule).build().unwrap();
-        (leased, plain, clock)
+            .unwrap()
     }
 
     #[tokio::test(start_paused = true)]
@@ -788,13 +797,8 @@ mod tests {
                     .build()
                     .unwrap()
             };
-            let leased = Limiter::builder(store)
-                .rule(Rule::new("hot", quota(2)).unwrap())
-                .on_store_error(OnStoreError::fail_closed())
-                .lease("hot", LeaseConfig::fixed(125))
-                .clock(clock.clone())
-                .build()
-                .unwrap();
+            let rule = Rule::new("hot", quota(2)).unwrap();
+            let leased = leasing(store, rule, LeaseConfig::fixed(125), &clock);
             let key = Key::new("k");
             let d = leased.consume(&key, 1).await.unwrap();
             assert_eq!(d.source, Source::Lease, "a block of 125, valid to 1.15 s");
@@ -830,28 +834,20 @@ mod tests {
     /// each leased key paid a lease call per override change).
     #[tokio::test(start_paused = true)]
     async fn an_override_retires_only_its_own_keys_block() {
-        let clock = ManualClock::new(T0);
-        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let (leased, _, _) = fleet(LeaseConfig::fixed(10));
         let quota = |limit| {
             crate::Quota::per_minute(limit)
                 .algorithm(Algorithm::FixedWindow)
                 .build()
                 .unwrap()
         };
-        let leased = Limiter::builder(store)
-            .rule(Rule::new("hot", quota(1000)).unwrap())
-            .on_store_error(OnStoreError::fail_closed())
-            .lease("hot", LeaseConfig::fixed(100))
-            .clock(clock.clone())
-            .build()
-            .unwrap();
         let (a, b) = (Key::new("a"), Key::new("b"));
         for key in [&a, &b] {
             let d = leased.consume(key, 1).await.unwrap();
             assert_eq!(d.source, Source::Lease, "{key:?} leased a block");
         }
         let calls = leased.stats().lease_calls;
-        leased.set_override("hot", &a, Some(quota(2000))).unwrap();
+        leased.set_override("hot", &a, Some(quota(200))).unwrap();
         let d = leased.consume(&b, 1).await.unwrap();
         assert_eq!(d.source, Source::Lease);
         assert_eq!(leased.stats().lease_calls, calls, "b's block goes on");
@@ -871,15 +867,7 @@ mod tests {
     /// sweeper waits for the first one's, and the second must not sit out of the map unretired.
     #[tokio::test(start_paused = true)]
     async fn slots_are_retired_before_they_leave_the_map() {
-        let clock = ManualClock::new(T0);
-        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let leased = Limiter::builder(store)
-            .rule(hot_rule())
-            .on_store_error(OnStoreError::fail_closed())
-            .lease("hot", LeaseConfig::fixed(10))
-            .clock(clock.clone())
-            .build()
-            .unwrap();
+        let (leased, _, clock) = fleet(LeaseConfig::fixed(10));
         let keys = [Key::new("a"), Key::new("b")];
         for key in &keys {
             assert_eq!(leased.consume(key, 1).await.unwrap().source, Source::Lease);
