@@ -1814,3 +1814,142 @@ async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) 
         "{compared} compared, {refunds} refunds"
     );
 }
+
+/// The layer on the memory store and on a Redis server, the same random requests on one manual
+/// clock: the same status, rate-limit headers and body. The memory store's requests are decided
+/// on the spot and Redis's wait for the store, two paths through the layer's response future;
+/// here with a cost per request, costs settled from the handler's header, and refunds when the
+/// handler fails.
+#[tokio::test]
+async fn the_layer_answers_alike_on_memory_and_on_redis() {
+    use axum::extract::ConnectInfo;
+    use axum::response::{IntoResponse, Response};
+    use fleetlimit::layer::{Scope, Settle};
+    use fleetlimit::{key, RateLimitLayer};
+    use http::{HeaderMap, Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    /// Answers with the status the request asks for, and the real cost it names.
+    async fn handler(headers: HeaderMap) -> Response {
+        let asked = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+        };
+        let status = StatusCode::from_u16(asked("x-status").unwrap_or(200)).unwrap();
+        let mut response = (status, "handled").into_response();
+        if let Some(actual) = asked("x-actual") {
+            response
+                .headers_mut()
+                .insert("x-actual-cost", actual.into());
+        }
+        response
+    }
+    fn app(limiter: Limiter, account: &str, address: &str) -> axum::Router {
+        let cost = |parts: &http::request::Parts| {
+            let cost = parts
+                .headers
+                .get("x-cost")
+                .and_then(|v| v.to_str().ok()?.parse().ok());
+            cost.unwrap_or(1)
+        };
+        let layer = RateLimitLayer::builder(limiter)
+            .scope(
+                account,
+                Scope::new()
+                    .key(key::header("x-api-key"))
+                    .cost(cost)
+                    .settle(Settle::header("x-actual-cost")),
+            )
+            .scope(
+                address,
+                Scope::new()
+                    .key_by_peer()
+                    .refund_if(|status| status.is_server_error()),
+            )
+            .build()
+            .unwrap();
+        axum::Router::new()
+            .route("/", axum::routing::get(handler))
+            .layer(layer)
+    }
+    async fn answer(app: &axum::Router, request: Request<axum::body::Body>) -> String {
+        let response = app.clone().oneshot(request).await.unwrap();
+        let mut seen = format!("{} ", response.status());
+        for (name, value) in response.headers() {
+            let name = name.as_str();
+            if name.contains("ratelimit") || name == "retry-after" {
+                seen += &format!("{name}={value:?} ");
+            }
+        }
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        seen + &String::from_utf8_lossy(&body)
+    }
+
+    let clock = ManualClock::default();
+    let (_server, redis) = standalone_on(&clock).await;
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let mut rng = Rng(21);
+    let mut steps = Steps::new(&clock);
+    let mut compared = 0;
+    for (round, (first, second)) in Algorithm::ALL
+        .iter()
+        .flat_map(|&a| Algorithm::ALL.iter().map(move |&b| (a, b)))
+        .enumerate()
+    {
+        let names = [format!("account-{round}"), format!("ip-{round}")];
+        let rules = [
+            random_rule(&mut rng, first, &names[0], false),
+            random_rule(&mut rng, second, &names[1], false),
+        ];
+        let on_memory = app(
+            compared_limiter(memory.clone(), &rules, &clock)
+                .build()
+                .unwrap(),
+            &names[0],
+            &names[1],
+        );
+        let on_redis = app(
+            compared_limiter(redis.clone(), &rules, &clock)
+                .on_store_error(OnStoreError::fail_closed())
+                .build()
+                .unwrap(),
+            &names[0],
+            &names[1],
+        );
+        for step in 0..40 {
+            steps.next(&mut rng);
+            let account = format!("acct-{}", rng.below(3));
+            let peer = std::net::SocketAddr::from(([203, 0, 113, rng.below(3) as u8], 40_000));
+            let cost = match rng.below(6) {
+                0 => 1 + rng.below(rules[0].quota().capacity() + 1),
+                1 => 2,
+                _ => 1,
+            };
+            let status = if rng.below(5) == 0 { 500 } else { 200 };
+            let actual = (rng.below(3) == 0).then(|| rng.below(cost + 2));
+            let request = || {
+                let mut request = Request::get("/")
+                    .header("x-api-key", &account)
+                    .header("x-cost", cost)
+                    .header("x-status", status);
+                if let Some(actual) = actual {
+                    request = request.header("x-actual", actual);
+                }
+                let mut request = request.body(axum::body::Body::empty()).unwrap();
+                request.extensions_mut().insert(ConnectInfo(peer));
+                request
+            };
+            let expected = answer(&on_memory, request()).await;
+            let got = answer(&on_redis, request()).await;
+            assert_eq!(
+                got, expected,
+                "round {round} ({first}, {second}) step {step}: {account} from {peer}, cost \
+                 {cost}, status {status}, actual {actual:?}"
+            );
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 25 * 40);
+}
