@@ -130,9 +130,11 @@ impl WorkerUtilisation {
     }
 
     /// How many priorities are shed now, from the least critical (0: none; 3: all but
-    /// critical).
+    /// critical): the level the next request steps to, so that an idle worker's level falls
+    /// with time, not only with requests.
     pub fn level(&self) -> u8 {
-        (self.state.shedding.load(Ordering::Relaxed) & 0xff) as u8
+        let word = self.state.shedding.load(Ordering::Relaxed);
+        (self.state.stepped(word) & 0xff) as u8
     }
 
     /// Requests in this process's handlers now.
@@ -140,26 +142,16 @@ impl WorkerUtilisation {
         self.state.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Adjust the level to the load, one step at a time, and say whether `priority` goes on.
+    /// Adjust the level to the load, and say whether `priority` goes on.
     fn admit(&self, priority: Priority) -> bool {
         let s = &self.state;
-        let now = crate::algorithm::micros(s.epoch.elapsed());
         let word = s.shedding.load(Ordering::Relaxed);
-        let (level, changed_at) = ((word & 0xff) as u8, word >> 8);
-        let since = Duration::from_micros(now.saturating_sub(changed_at));
-        let in_flight = s.in_flight.load(Ordering::Relaxed);
-        let below_80_percent = u128::from(in_flight) * 10 < u128::from(s.target) * 8;
-        let next = if in_flight >= s.target && level < 3 && since >= s.step_up {
-            level + 1
-        } else if below_80_percent && level > 0 && since >= s.step_down {
-            level - 1
-        } else {
-            level
-        };
-        let level_now = if next == level {
+        let stepped = s.stepped(word);
+        let level = (word & 0xff) as u8;
+        let next = (stepped & 0xff) as u8;
+        let level_now = if stepped == word {
             level
         } else {
-            let stepped = (now << 8) | u64::from(next);
             match s
                 .shedding
                 .compare_exchange(word, stepped, Ordering::Relaxed, Ordering::Relaxed)
@@ -168,7 +160,7 @@ impl WorkerUtilisation {
                     tracing::info!(
                         from = level,
                         to = next,
-                        in_flight,
+                        in_flight = s.in_flight.load(Ordering::Relaxed),
                         target = s.target,
                         "fleetlimit: worker load shedding level changed"
                     );
@@ -180,6 +172,36 @@ impl WorkerUtilisation {
         };
         // Level n sheds the n least critical priorities; critical never.
         priority == Priority::Critical || priority.rank() < 4 - usize::from(level_now)
+    }
+}
+
+impl WorkerState {
+    /// The level-and-time word after the steps due now: one up per `step_up` at or over the
+    /// target; below 80% of it, one down per `step_down` since the last change, counted from
+    /// that change rather than from the next request (a worker that went idle at level 3 is
+    /// at 0 three seconds later, whenever its next request comes).
+    fn stepped(&self, word: u64) -> u64 {
+        let now = crate::algorithm::micros(self.epoch.elapsed());
+        let (level, changed_at) = ((word & 0xff) as u8, word >> 8);
+        let since = now.saturating_sub(changed_at);
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        let step_down = crate::algorithm::micros(self.step_down).max(1);
+        let (next, changed) = if in_flight >= self.target
+            && level < 3
+            && since >= crate::algorithm::micros(self.step_up)
+        {
+            (level + 1, now)
+        } else if u128::from(in_flight) * 10 < u128::from(self.target) * 8 {
+            let down = (since / step_down).min(u64::from(level));
+            (level - down as u8, changed_at + down * step_down)
+        } else {
+            (level, changed_at)
+        };
+        if next == level {
+            word
+        } else {
+            (changed << 8) | u64::from(next)
+        }
     }
 }
 
@@ -538,6 +560,47 @@ mod tests {
         for t in workers {
             t.join().unwrap();
         }
+    }
+
+    /// A worker whose overload ended steps down one level per second whether or not requests
+    /// come: its first request after a quiet spell sees the level the quiet earned, and the
+    /// part of a second already waited counts toward the next step.
+    #[test]
+    fn an_idle_worker_steps_down_with_time_not_with_requests() {
+        let worker_since = |ago: Duration| {
+            let epoch = std::time::Instant::now()
+                .checked_sub(ago)
+                .unwrap_or_else(std::time::Instant::now);
+            let w = WorkerUtilisation::new(10);
+            WorkerUtilisation {
+                state: Arc::new(WorkerState {
+                    epoch,
+                    ..Arc::try_unwrap(w.state).unwrap()
+                }),
+            }
+        };
+        // At level 3 since the epoch, a minute ago, with nothing in flight.
+        let idle = worker_since(Duration::from_secs(60));
+        idle.state.shedding.store(3, Ordering::Relaxed);
+        assert_eq!(idle.level(), 0, "the level falls while nobody asks");
+        assert!(idle.admit(Priority::BestEffort));
+        assert_eq!(idle.state.shedding.load(Ordering::Relaxed) & 0xff, 0);
+
+        // 2.5 s after reaching level 3: two steps down, the second taken at 2 s.
+        let quiet = worker_since(Duration::from_millis(2_500));
+        quiet.state.shedding.store(3, Ordering::Relaxed);
+        assert!(quiet.admit(Priority::Normal));
+        assert!(!quiet.admit(Priority::BestEffort));
+        let word = quiet.state.shedding.load(Ordering::Relaxed);
+        assert_eq!(word & 0xff, 1);
+        assert_eq!(word >> 8, 2_000_000, "the next step is due at 3 s, not 3.5 s");
+
+        // Still busy (at 80% of the target or more): no step down, however long ago.
+        let busy = worker_since(Duration::from_secs(60));
+        busy.state.shedding.store(3, Ordering::Relaxed);
+        busy.state.in_flight.store(8, Ordering::Relaxed);
+        assert_eq!(busy.level(), 3);
+        assert!(!busy.admit(Priority::Normal));
     }
 
     /// However small the fleet budget, the less critical priorities never fill all of it.
