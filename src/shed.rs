@@ -593,7 +593,11 @@ mod tests {
         assert!(!quiet.admit(Priority::BestEffort));
         let word = quiet.state.shedding.load(Ordering::Relaxed);
         assert_eq!(word & 0xff, 1);
-        assert_eq!(word >> 8, 2_000_000, "the next step is due at 3 s, not 3.5 s");
+        assert_eq!(
+            word >> 8,
+            2_000_000,
+            "the next step is due at 3 s, not 3.5 s"
+        );
 
         // Still busy (at 80% of the target or more): no step down, however long ago.
         let busy = worker_since(Duration::from_secs(60));
