@@ -5,7 +5,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fleetlimit::{Algorithm, Clock, Key, Limiter, MemoryStore, Quota, Rule};
+use fleetlimit::store::Listing;
+use fleetlimit::{
+    Algorithm, Clock, Key, Limiter, LimiterBuilder, MemoryStore, Penalty, Quota, Rule,
+};
 use tokio::time::Instant;
 
 /// The store's clock, on tokio's (paused) time.
@@ -22,6 +25,13 @@ impl Clock for TokioClock {
 
 /// 10 per second, one at a time: a permit every 100 ms.
 fn limiter() -> Limiter {
+    limiter_with(|b| b)
+}
+
+/// [`limiter`], with more built on.
+fn limiter_with(
+    more: impl FnOnce(LimiterBuilder<MemoryStore>) -> LimiterBuilder<MemoryStore>,
+) -> Limiter {
     let store = MemoryStore::builder()
         .clock(TokioClock {
             start: Instant::now(),
@@ -33,8 +43,7 @@ fn limiter() -> Limiter {
         .burst(1)
         .build()
         .unwrap();
-    Limiter::builder(store)
-        .rule(Rule::new("partner", quota).unwrap())
+    more(Limiter::builder(store).rule(Rule::new("partner", quota).unwrap()))
         .build()
         .unwrap()
 }
@@ -98,6 +107,52 @@ async fn a_wait_past_the_budget_is_refused_at_once() {
         .unwrap();
     assert!(d.allowed);
     assert_eq!(start.elapsed(), Duration::from_millis(100));
+}
+
+/// Callers waiting their turn are not clients hammering a limit: the refusals they wait out
+/// never reach the penalty box (three within a minute would block the destination for the
+/// whole fleet). A refusal a caller is given, because its budget is too short, still counts.
+#[tokio::test(start_paused = true)]
+async fn refusals_waited_out_earn_no_penalty() {
+    let limiter = limiter_with(|b| {
+        b.penalty(Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ))
+    });
+    let key = Key::new("api.partner.example");
+    let start = Instant::now();
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        waiters.push(tokio::spawn(async move {
+            let d = limiter
+                .until_ready(&key, 1, Duration::from_secs(2))
+                .await
+                .unwrap();
+            (d.allowed, start.elapsed())
+        }));
+        tokio::task::yield_now().await;
+    }
+    for (i, w) in waiters.into_iter().enumerate() {
+        let (allowed, at) = w.await.unwrap();
+        assert!(allowed, "waiter {i}");
+        assert_eq!(at, Duration::from_millis(100 * i as u64), "waiter {i}");
+    }
+    assert_eq!(limiter.inspect(&key).await.unwrap().listing, None);
+    // Three refusals given back to callers (a budget of 1 ms is too short) earn the block.
+    for _ in 0..3 {
+        let d = limiter
+            .until_ready(&key, 1, Duration::from_millis(1))
+            .await
+            .unwrap();
+        assert!(!d.allowed);
+    }
+    assert!(matches!(
+        limiter.inspect(&key).await.unwrap().listing,
+        Some(Listing::Block(_))
+    ));
 }
 
 #[tokio::test(start_paused = true)]

@@ -485,17 +485,17 @@ impl Limiter {
             now.retry_after = Some(now.retry_after.unwrap_or(Duration::ZERO));
             return Ok(now);
         };
+        let targets = self.every_rule(key, cost);
         loop {
-            let decision = self.consume(key, cost).await?;
-            // The store named a time; the outage policy's refusals and costs that never fit did
-            // not, and waiting would not change them.
-            let wake = match decision.retry_after {
-                Some(retry) if !decision.allowed && !decision.degraded => waiting::after(retry),
-                _ => return Ok(decision),
-            };
-            if wake > give_up {
+            // A refusal waited out is not counted as a request's (in the metrics, the heavy
+            // hitters and the penalty box): the caller waits its turn, it does not hammer.
+            let decisions = self
+                .apply_counted(Op::Consume, &targets, Counted::UnlessWaitedOut(give_up))
+                .await?;
+            let decision = most_restrictive(decisions)?;
+            let Some(wake) = waiting::wake(&decision, give_up) else {
                 return Ok(decision);
-            }
+            };
             tokio::time::sleep_until(wake).await;
         }
     }
@@ -811,7 +811,7 @@ impl Limiter {
         op: Op,
         targets: &Targets,
     ) -> Result<Vec<Decision>, Error> {
-        self.apply_counted(op, targets, true).await
+        self.apply_counted(op, targets, Counted::Request).await
     }
 
     /// Charge what a settled cost found beyond its reservation, after the response. Not a
@@ -819,16 +819,16 @@ impl Limiter {
     /// served, not a client coming back while refused, so it feeds neither the decision
     /// metrics, the heavy hitters nor the penalty box.
     pub(crate) async fn charge_settled(&self, targets: &Targets) -> Result<Vec<Decision>, Error> {
-        self.apply_counted(Op::Consume, targets, false).await
+        self.apply_counted(Op::Consume, targets, Counted::Not).await
     }
 
-    /// [`apply_indexed`](Limiter::apply_indexed); `as_request`: the consume is a request's,
-    /// counted as such.
+    /// [`apply_indexed`](Limiter::apply_indexed), a consume's decisions counted as `counted`
+    /// says.
     async fn apply_counted(
         &self,
         op: Op,
         targets: &Targets,
-        as_request: bool,
+        counted: Counted,
     ) -> Result<Vec<Decision>, Error> {
         for (i, target) in targets.iter().enumerate() {
             if target.cost == 0 {
@@ -859,6 +859,15 @@ impl Limiter {
             .then(|| Deadline::after(self.inner.deadline));
         let decisions = self.inner.decide(op, &checks, deadline).await?;
         self.inner.trace(targets, &decisions, started);
+        let as_request = match counted {
+            Counted::Request => true,
+            Counted::Not => false,
+            Counted::UnlessWaitedOut(give_up) => decisions
+                .iter()
+                .cloned()
+                .reduce(Decision::more_restrictive)
+                .is_none_or(|d| waiting::wake(&d, give_up).is_none()),
+        };
         if op == Op::Consume && as_request {
             self.inner.record(targets, &decisions);
             for (key, block) in self.inner.earned(targets, &decisions) {
@@ -966,6 +975,18 @@ fn effective<'a>(rule: &'a Rule, overrides: &'a Overrides, target: &'a Target) -
 }
 
 /// The decision that governs: a denial over an admission, then the longer wait.
+/// How a consume's decisions are counted.
+#[derive(Clone, Copy)]
+enum Counted {
+    /// As a request's: in the decision metrics, the heavy hitters and the penalty box.
+    Request,
+    /// Not at all: a cost settled after the response.
+    Not,
+    /// As a request's, unless [`until_ready`](Limiter::until_ready) waits the refusal out
+    /// before this time.
+    UnlessWaitedOut(tokio::time::Instant),
+}
+
 fn most_restrictive(decisions: Vec<Decision>) -> Result<Decision, Error> {
     decisions
         .into_iter()

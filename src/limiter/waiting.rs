@@ -8,13 +8,28 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::Key;
+use crate::{Decision, Key};
 
 /// `d` from now, or a century from now for a longer `d` (a caller's `Duration::MAX` must not
 /// overflow the clock).
 pub(crate) fn after(d: Duration) -> tokio::time::Instant {
     const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
     tokio::time::Instant::now() + d.min(CENTURY)
+}
+
+/// When a caller refused with `decision` wakes to ask again, if it does before `give_up`. Only
+/// a time the store named is waited for: the outage policy's refusals and costs that never fit
+/// name none, and waiting would not change them.
+pub(crate) fn wake(
+    decision: &Decision,
+    give_up: tokio::time::Instant,
+) -> Option<tokio::time::Instant> {
+    match decision.retry_after {
+        Some(retry) if !decision.allowed && !decision.degraded => {
+            Some(after(retry)).filter(|wake| *wake <= give_up)
+        }
+        _ => None,
+    }
 }
 
 /// The lines of waiters, per key, each with how many places it has. A key's line lives while
