@@ -109,6 +109,42 @@ async fn a_wait_past_the_budget_is_refused_at_once() {
     assert_eq!(start.elapsed(), Duration::from_millis(100));
 }
 
+/// A caller behind others is not served before the head of the line wakes: when that is past
+/// its budget, it is refused at once (with a wait that covers it), not at the end of its budget.
+#[tokio::test(start_paused = true)]
+async fn a_caller_behind_a_longer_sleep_is_refused_at_once() {
+    let limiter = limiter();
+    let key = Key::new("api.partner.example");
+    let start = Instant::now();
+    assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+    // The head of the line sleeps until the next permit, at 100 ms.
+    let head = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
+    };
+    tokio::task::yield_now().await;
+    let d = limiter
+        .until_ready(&key, 1, Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    assert_eq!(start.elapsed(), Duration::ZERO, "no wait in vain");
+    assert!(
+        d.retry_after >= Some(Duration::from_millis(100)),
+        "not before the head: {d:?}"
+    );
+    // With 150 ms, it waits for its turn (at 100 ms), and then the store's answer (200 ms)
+    // is past its budget: refused then, not at 150 ms.
+    let d = limiter
+        .until_ready(&key, 1, Duration::from_millis(150))
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert_eq!(d.retry_after, Some(Duration::from_millis(100)));
+    assert!(head.await.unwrap().unwrap().allowed);
+}
+
 /// Callers waiting their turn are not clients hammering a limit: the refusals they wait out
 /// never reach the penalty box (three within a minute would block the destination for the
 /// whole fleet). A refusal a caller is given, because its budget is too short, still counts.

@@ -444,12 +444,16 @@ impl Limiter {
     /// would rather wait its turn than be refused.
     ///
     /// Returns the admitting decision, or, as soon as it is known that `max_wait` is not enough
-    /// (the store's `retry_after` ends past it, the cost can never be admitted, or the outage
-    /// policy refused), that denial, without waiting in vain. Within this process, callers
-    /// waiting on one key are served first come, first served; across the fleet every
-    /// admission is an ordinary decision, so the shared quota holds. Nobody polls the store:
-    /// the caller at the head of the line sleeps until the time the store named, then asks
-    /// once. Cancellation-safe: a dropped future holds no permit and no place in the line.
+    /// (the store's `retry_after` ends past it, the cost can never be admitted, the outage
+    /// policy refused, or the caller at the head of the line sleeps past it), that denial,
+    /// without waiting in vain. Within this process, callers waiting on one key are served
+    /// first come, first served; across the fleet every admission is an ordinary decision, so
+    /// the shared quota holds. Nobody polls the store: the caller at the head of the line
+    /// sleeps until the time the store named, then asks once. The refusals a caller waits out
+    /// are not counted as requests' (in the metrics, the heavy hitters and the penalty box);
+    /// the refusal it returns is. Cancellation-safe: a dropped future holds no place in the
+    /// line, and no permit, except on a shared store when it is dropped while its store call
+    /// is on the way (the store may have taken that call's permits: at most one call's).
     ///
     /// ```
     /// # use std::time::Duration;
@@ -476,14 +480,20 @@ impl Limiter {
     ) -> Result<Decision, Error> {
         let give_up = waiting::after(max_wait);
         let place = self.inner.lines.join(key);
-        let turn = tokio::time::timeout_at(give_up, place.turn()).await;
-        let Ok(_turn) = turn else {
-            // The callers ahead used the whole wait: a denial taking nothing, with the store's
-            // view of when a permit would come (callers still ahead may take it first).
-            let mut now = self.peek(key).await?;
-            now.allowed = false;
-            now.retry_after = Some(now.retry_after.unwrap_or(Duration::ZERO));
-            return Ok(now);
+        let turn = match place.turn_by(give_up).await {
+            Ok(turn) => turn,
+            Err(head_wake) => {
+                // The callers ahead use the whole wait: a denial taking nothing, with the
+                // store's view of when a permit would come (callers still ahead may take it
+                // first), and never before the head of the line wakes.
+                let mut now = self.peek(key).await?;
+                now.allowed = false;
+                let ahead = head_wake.map_or(Duration::ZERO, |wake| {
+                    wake.saturating_duration_since(tokio::time::Instant::now())
+                });
+                now.retry_after = Some(now.retry_after.unwrap_or(Duration::ZERO).max(ahead));
+                return Ok(now);
+            }
         };
         let targets = self.every_rule(key, cost);
         loop {
@@ -496,7 +506,7 @@ impl Limiter {
             let Some(wake) = waiting::wake(&decision, give_up) else {
                 return Ok(decision);
             };
-            tokio::time::sleep_until(wake).await;
+            turn.sleep_until(wake).await;
         }
     }
 

@@ -5,7 +5,9 @@
 //! [`Limiter::until_ready`]: super::Limiter::until_ready
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use crate::{Decision, Key};
@@ -36,7 +38,17 @@ pub(crate) fn wake(
 /// someone is in it.
 #[derive(Default)]
 pub(crate) struct Lines {
-    lines: Mutex<HashMap<Key, (Arc<tokio::sync::Mutex<()>>, usize)>>,
+    lines: Mutex<HashMap<Key, (Arc<Line>, usize)>>,
+}
+
+/// One key's line.
+#[derive(Default)]
+struct Line {
+    /// Whose turn it is: tokio's mutex is fair, so turns come in order of asking.
+    turn: tokio::sync::Mutex<()>,
+    /// Until when the caller whose turn it is sleeps, if it does: nobody behind it is served
+    /// before then.
+    head_wakes: tokio::sync::watch::Sender<Option<tokio::time::Instant>>,
 }
 
 /// A place in a key's line; leaving it (dropping it, or the future holding it) lets the next one
@@ -44,12 +56,17 @@ pub(crate) struct Lines {
 pub(crate) struct Place<'a> {
     lines: &'a Lines,
     key: Key,
-    line: Arc<tokio::sync::Mutex<()>>,
+    line: Arc<Line>,
+}
+
+/// The turn of a place in its line, held until dropped.
+pub(crate) struct Turn<'a> {
+    line: &'a Line,
+    _turn: tokio::sync::MutexGuard<'a, ()>,
 }
 
 impl Lines {
-    /// Join `key`'s line: [`Place::line`] is its turn, in order of joining (tokio's mutex is
-    /// fair).
+    /// Join `key`'s line, at its end.
     pub(crate) fn join(&self, key: &Key) -> Place<'_> {
         let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
         let (line, places) = lines.entry(key.clone()).or_default();
@@ -69,9 +86,60 @@ impl Lines {
 }
 
 impl Place<'_> {
-    /// Wait for this place's turn.
-    pub(crate) async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
-        self.line.lock().await
+    /// Wait for this place's turn, unless it cannot come by `give_up`: then `Err` with the
+    /// earliest it could come, if known. It is known when the caller whose turn it is sleeps
+    /// past `give_up` (then this gives up at once, without waiting in vain), and otherwise
+    /// not (then this waits until `give_up`).
+    pub(crate) async fn turn_by(
+        &self,
+        give_up: tokio::time::Instant,
+    ) -> Result<Turn<'_>, Option<tokio::time::Instant>> {
+        let mut head_wakes = self.line.head_wakes.subscribe();
+        let mut turn = std::pin::pin!(self.line.turn.lock());
+        // Ends when the head sleeps past `give_up` (every change is read: it may sleep again,
+        // longer), or at `give_up`.
+        let mut hopeless = std::pin::pin!(async {
+            let too_late = async {
+                loop {
+                    let head_wake = *head_wakes.borrow_and_update();
+                    if head_wake.is_some_and(|wake| wake > give_up) {
+                        return head_wake;
+                    }
+                    if head_wakes.changed().await.is_err() {
+                        // The line (and its sender) lives as long as this place.
+                        std::future::pending::<()>().await;
+                    }
+                }
+            };
+            match tokio::time::timeout_at(give_up, too_late).await {
+                Ok(head_wake) => head_wake,
+                Err(_) => *self.line.head_wakes.borrow(),
+            }
+        });
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(guard) = turn.as_mut().poll(cx) {
+                return Poll::Ready(Ok(Turn {
+                    line: &self.line,
+                    _turn: guard,
+                }));
+            }
+            hopeless.as_mut().poll(cx).map(Err)
+        })
+        .await
+    }
+}
+
+impl Turn<'_> {
+    /// Sleep until `wake`, telling those behind that they are not served before.
+    pub(crate) async fn sleep_until(&self, wake: tokio::time::Instant) {
+        self.line.head_wakes.send_replace(Some(wake));
+        tokio::time::sleep_until(wake).await;
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.line.head_wakes.send_replace(None);
     }
 }
 
@@ -94,23 +162,31 @@ impl Drop for Place<'_> {
 mod tests {
     use super::*;
 
+    /// A turn with no time limit.
+    async fn turn<'a>(place: &'a Place<'_>) -> Turn<'a> {
+        match place.turn_by(after(Duration::MAX)).await {
+            Ok(turn) => turn,
+            Err(_) => panic!("a turn without a time limit comes"),
+        }
+    }
+
     #[tokio::test]
     async fn one_line_per_key_served_in_order_gone_when_empty() {
         // 'static, for the spawned waiters.
         let lines: &'static Lines = Box::leak(Box::default());
         let key = Key::new("partner");
         let head = lines.join(&key);
-        let turn = head.turn().await;
+        let head_turn = turn(&head).await;
         // Another key's line is free while this one is held.
         let other = lines.join(&Key::new("other"));
-        drop(other.turn().await);
+        drop(turn(&other).await);
         drop(other);
         let served = Arc::new(Mutex::new(Vec::new()));
         let mut waiters = Vec::new();
         for n in 0..3 {
             let (place, served) = (lines.join(&key), served.clone());
             waiters.push(tokio::spawn(async move {
-                let _turn = place.turn().await;
+                let _turn = turn(&place).await;
                 served.lock().unwrap().push(n);
             }));
             tokio::task::yield_now().await;
@@ -119,7 +195,7 @@ mod tests {
             served.lock().unwrap().is_empty(),
             "all wait behind the head"
         );
-        drop(turn);
+        drop(head_turn);
         drop(head);
         for w in waiters {
             w.await.unwrap();
