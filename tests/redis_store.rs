@@ -801,6 +801,65 @@ async fn hostile_keys_never_collide_or_break_the_hash_tag() {
     );
 }
 
+/// A pause is the rule's, whatever its algorithm, on both stores alike: a rule reconfigured to
+/// another algorithm (by a rolling deploy, or a second limiter giving the name another quota)
+/// still waits out the pause a destination asked for.
+#[tokio::test]
+async fn a_pause_belongs_to_the_rule_name_on_both_stores() {
+    let server = RedisServer::start();
+    let redis = test_store().connect(&server.url()).await.unwrap();
+    let memory = MemoryStore::new();
+    let stores: [(&str, &dyn Store); 2] = [("memory", &memory), ("redis", &redis)];
+    let before = rule(
+        "partner",
+        Algorithm::FixedWindow,
+        10,
+        Duration::from_secs(1),
+        None,
+    );
+    let after = rule(
+        "partner",
+        Algorithm::Gcra,
+        10,
+        Duration::from_secs(1),
+        Some(1),
+    );
+    let other = rule(
+        "other",
+        Algorithm::FixedWindow,
+        10,
+        Duration::from_secs(1),
+        None,
+    );
+    let key = Key::new("api.partner.example");
+    for (name, store) in stores {
+        store
+            .pause(&before, &key, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let paused = store.paused_for(&after, &key).await.unwrap();
+        assert!(
+            paused.is_some_and(|p| p > Duration::from_secs(59)),
+            "{name}: {paused:?}"
+        );
+        assert_eq!(
+            store.paused_for(&other, &key).await.unwrap(),
+            None,
+            "{name}"
+        );
+        // A pause that only grows meets the same pause.
+        store
+            .extend_pause(&after, &key, Duration::from_secs(1))
+            .await
+            .unwrap();
+        let paused = store.paused_for(&before, &key).await.unwrap();
+        assert!(
+            paused.is_some_and(|p| p > Duration::from_secs(59)),
+            "{name}: cut to {paused:?}"
+        );
+    }
+}
+
 fn pttl(server: &RedisServer, key: &[u8]) -> i64 {
     server.cmd_bytes(&[b"PTTL", key]).unwrap().as_int().unwrap()
 }

@@ -38,15 +38,30 @@ pub(crate) fn listing_key(prefix: &str, key: &Key) -> Vec<u8> {
 }
 
 /// `<prefix>{<key>}:slots=<name>`: the concurrency slots held for the key (same slot as its
-/// states). The encoding never yields `=`, so no state key (`:<rule>:<algorithm>`, where a rule
-/// named `slots` once met a limit named after an algorithm) nor the listing is ever one.
+/// states).
 pub(crate) fn slots_key(prefix: &str, name: &str, key: &Key) -> Vec<u8> {
+    named_key(prefix, key, b"slots", name)
+}
+
+/// `<prefix>{<key>}:pause=<rule>`: a pause of the key under a rule (same slot as its states).
+/// Per rule name, not per algorithm as states are: a rule reconfigured to another algorithm is
+/// still paused, as on the memory store.
+pub(crate) fn pause_key(prefix: &str, rule: &str, key: &Key) -> Vec<u8> {
+    named_key(prefix, key, b"pause", rule)
+}
+
+/// `<prefix>{<key>}:<kind>=<name>`. The encoding never yields `=`, so no state key
+/// (`:<rule>:<algorithm>`, where a rule named like `kind` once met one named after an
+/// algorithm), nor the listing, nor a key of another kind is ever one.
+fn named_key(prefix: &str, key: &Key, kind: &[u8], name: &str) -> Vec<u8> {
     let key_bytes = key.as_bytes();
     let mut out = Vec::with_capacity(prefix.len() + 3 * (key_bytes.len() + name.len()) + 10);
     out.extend_from_slice(prefix.as_bytes());
     out.push(b'{');
     encode(key_bytes, &mut out);
-    out.extend_from_slice(b"}:slots=");
+    out.extend_from_slice(b"}:");
+    out.extend_from_slice(kind);
+    out.push(b'=');
     encode(name.as_bytes(), &mut out);
     out
 }
@@ -144,10 +159,19 @@ mod tests {
                 .algorithm(algorithm)
                 .build()
                 .unwrap();
-            let state = redis_key("p:", &Rule::new("slots", quota).unwrap(), &k);
-            assert_ne!(slots_key("p:", name, &k), state, "{name}");
+            for kind in ["slots", "pause"] {
+                let state = redis_key("p:", &Rule::new(kind, quota.clone()).unwrap(), &k);
+                assert_ne!(slots_key("p:", name, &k), state, "{name}");
+                assert_ne!(pause_key("p:", name, &k), state, "{name}");
+            }
         }
         assert_ne!(slots_key("p:", "listing", &k), listing_key("p:", &k));
+        assert_ne!(pause_key("p:", "listing", &k), listing_key("p:", &k));
+        assert_ne!(pause_key("p:", "a", &k), slots_key("p:", "a", &k));
+        assert_eq!(
+            slot(&pause_key("p:", "partner", &k)),
+            slot(&listing_key("p:", &k))
+        );
         assert_eq!(
             slot(&slots_key("p:", "in-flight", &k)),
             slot(&listing_key("p:", &k))

@@ -29,7 +29,7 @@ use crate::{Algorithm, Clock, Decision, Key, Rule, StoreError, Taken};
 mod keys;
 
 pub use keys::slot;
-use keys::{listing_key, redis_key, slots_key};
+use keys::{listing_key, pause_key, redis_key, slots_key};
 
 /// The Redis key of `rule`'s state for `key` under the default prefix, as text (the encoding
 /// is ASCII), for tools such as `redis-cli`. A hook for benchmarks and audits.
@@ -66,10 +66,13 @@ fn by_listing(anchor: i64) -> ByListing {
 /// Reads and sets a key's listing (`listing.lua`); admin calls are rare, so it is sent whole.
 const LISTING_SCRIPT: &str = include_str!("listing.lua");
 
-/// A pause in whole milliseconds, as Redis keeps it: at least 1 (a zero `PX` is an error), at
-/// most about 49 days.
+/// A pause in whole milliseconds, as Redis keeps it: rounded up (a pause never ends early), at
+/// least 1 (a zero `PX` is an error), at most about 49 days.
 fn pause_ms(pause: Duration) -> u64 {
-    pause.as_millis().clamp(1, u128::from(u32::MAX)) as u64
+    pause
+        .as_micros()
+        .div_ceil(1000)
+        .clamp(1, u128::from(u32::MAX)) as u64
 }
 
 /// A pause that only grows: set unless the one in force ends later.
@@ -1717,11 +1720,9 @@ impl Inner {
         })
     }
 
-    /// The key holding a pause of `rule` for `key`: beside its state, in the same slot.
+    /// The key holding a pause of `rule` for `key`: beside its states, in the same slot.
     fn pause_key(&self, rule: &Rule, key: &Key) -> Vec<u8> {
-        let mut k = redis_key(&self.prefix, rule, key);
-        k.extend_from_slice(b":pause");
-        k
+        pause_key(&self.prefix, rule.name(), key)
     }
 
     /// A connection for one call, connecting first if needed (in the background, each attempt
@@ -1903,11 +1904,12 @@ impl Store for RedisStore {
         Box::pin(async move {
             let mut cmd = redis::cmd("PTTL");
             cmd.arg(self.inner.pause_key(rule, key));
+            // -2: no pause (-1 cannot be: a pause always expires). 0: under a millisecond
+            // left, which Redis still keeps: it counts as one.
             let ms: i64 = self.inner.command(cmd).await?;
             Ok(u64::try_from(ms)
                 .ok()
-                .filter(|&ms| ms > 0)
-                .map(Duration::from_millis))
+                .map(|ms| Duration::from_millis(ms.max(1))))
         })
     }
 
@@ -2097,6 +2099,18 @@ mod tests {
     {
         let got = connector.get(Duration::from_secs(1), connect).await;
         got.ok().as_deref().copied()
+    }
+
+    /// A pause goes to Redis in whole milliseconds, rounded up: 1.999 ms paused for 1 ms
+    /// would end early.
+    #[test]
+    fn pauses_are_rounded_up_to_whole_milliseconds() {
+        let ms = |us: u64| pause_ms(Duration::from_micros(us));
+        assert_eq!(ms(1_999), 2);
+        assert_eq!(ms(2_000), 2);
+        assert_eq!(ms(2_001), 3);
+        assert_eq!(ms(0), 1, "a zero PX is an error");
+        assert_eq!(pause_ms(Duration::MAX), u64::from(u32::MAX));
     }
 
     fn runtime() -> tokio::runtime::Runtime {
