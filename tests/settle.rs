@@ -60,7 +60,8 @@ async fn the_budget_counts_the_real_costs_and_is_never_passed() {
 }
 
 fn under_reserving(limiter: Limiter) -> Router {
-    // Reserves 10; the handler reports the real cost in the ActualCost extension.
+    // Reserves 10 (or what the client's `x-reserve` asks); the handler reports the real cost in
+    // the ActualCost extension.
     Router::new()
         .route(
             "/",
@@ -76,7 +77,15 @@ fn under_reserving(limiter: Limiter) -> Router {
                 .key(key::header("x-api-key"))
                 .scope(
                     "tokens",
-                    Scope::new().cost(|_| 10).settle(Settle::extension()),
+                    Scope::new()
+                        .cost(|parts| {
+                            parts
+                                .headers
+                                .get("x-reserve")
+                                .and_then(|v| v.to_str().ok()?.parse().ok())
+                                .unwrap_or(10)
+                        })
+                        .settle(Settle::extension()),
                 )
                 .build()
                 .unwrap(),
@@ -84,8 +93,13 @@ fn under_reserving(limiter: Limiter) -> Router {
 }
 
 async fn used(app: &Router, used: u64) -> StatusCode {
+    reserved_and_used(app, 10, used).await
+}
+
+async fn reserved_and_used(app: &Router, reserved: u64, used: u64) -> StatusCode {
     let req = Request::get("/")
         .header("x-api-key", "tenant")
+        .header("x-reserve", reserved.to_string())
         .header("x-used", used.to_string())
         .body(Body::empty())
         .unwrap();
@@ -131,13 +145,16 @@ async fn costs_above_the_reservation_are_charged_within_the_budget() {
         assert_eq!(left().await, 70, "{name}: 10 reserved + 20 settled");
         assert_eq!(used(&app, 4).await, StatusCode::OK);
         assert_eq!(left().await, 66, "{name}: 6 of the 10 given back");
-        assert_eq!(used(&app, 56).await, StatusCode::OK);
-        assert_eq!(left().await, 10, "{name}");
-        // 90 more do not fit: the reservation stays, the difference is not charged, and the
-        // budget is never passed.
+        // 90 more do not fit in the 56 left: those are taken (the overrun counts as far as
+        // the limit, never past it), and the next request is refused.
         assert_eq!(used(&app, 100).await, StatusCode::OK);
-        assert_eq!(left().await, 0, "{name}");
+        assert_eq!(left().await, 0, "{name}: the overrun drained the budget");
         assert_eq!(used(&app, 1).await, StatusCode::TOO_MANY_REQUESTS, "{name}");
+        // A reservation of 0 (a client's `max_tokens: 0`) still reserves 1, so that the real
+        // cost is settled: the rule is not skipped.
+        clock.advance(Duration::from_secs(60));
+        assert_eq!(reserved_and_used(&app, 0, 30).await, StatusCode::OK);
+        assert_eq!(left().await, 70, "{name}: 1 reserved + 29 settled");
     }
 }
 
@@ -172,9 +189,9 @@ async fn a_settled_cost_that_does_not_fit_is_not_a_refusal() {
     let tenant = Key::new("tenant");
     for second in 0..5 {
         // Reserves 10 of a fresh window's 100; the 95 more it used do not fit in the 90 left
-        // (a refusal that names a wait) and are not charged.
+        // (a refusal that names a wait): the 90 are taken instead.
         assert_eq!(used(&app, 105).await, StatusCode::OK, "second {second}");
-        assert_eq!(limiter.peek(&tenant).await.unwrap().remaining, 90);
+        assert_eq!(limiter.peek(&tenant).await.unwrap().remaining, 0);
         clock.advance(Duration::from_secs(1));
     }
     assert!(

@@ -390,8 +390,10 @@ impl Scope {
     /// the response at the real cost, read from `settle` (a response header, or the
     /// [`ActualCost`] extension the handler sets). What the reservation took beyond the real
     /// cost is given back through its receipt (never creating a permit); a real cost above the
-    /// reservation is charged after the response if the budget holds it (else logged, never
-    /// passing the limit: reserve the most a request can cost for a hard budget). A response
+    /// reservation is charged after the response, and when the budget cannot hold it whole,
+    /// what is left is taken instead (logged; the key's next request is refused, and nothing
+    /// ever passes the limit: reserve the most a request can cost for a hard budget). A
+    /// reservation of 0 reserves 1, so that the real cost is still settled. A response
     /// without the real cost keeps the reservation, and a reservation never settled (the
     /// process died) stays spent.
     ///

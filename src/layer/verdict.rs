@@ -434,19 +434,42 @@ impl Drop for BodySettle {
     }
 }
 
-/// Charge costs found above their reservations. A charge the budget cannot hold is not taken
-/// (nothing ever passes the limit): reserve the most a request can cost for a hard budget.
+/// Charge costs found above their reservations. A charge the budget cannot hold whole takes
+/// what is left instead (the overrun is counted as far as the limit goes, and nothing ever
+/// passes it): the key's next request is refused, rather than the overrun being forgiven.
 async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
     for target in extra {
-        let charged = limiter.charge_settled(std::slice::from_ref(target)).await;
-        match charged {
-            Ok(d) if d.iter().all(|d| d.allowed) => {}
-            Ok(_) => tracing::warn!(
-                cost = target.cost,
-                "fleetlimit: a settled cost exceeded its reservation and the budget left; the difference was not charged"
-            ),
-            Err(error) => tracing::warn!(%error, "fleetlimit: a settled cost could not be charged"),
+        let refused = match limiter.charge_settled(std::slice::from_ref(target)).await {
+            Ok(d) => d.into_iter().find(|d| !d.allowed),
+            Err(error) => {
+                tracing::warn!(%error, "fleetlimit: a settled cost could not be charged");
+                continue;
+            }
+        };
+        // A listing or the outage policy decided: there is no budget to take from.
+        let Some(left) = refused
+            .filter(|d| !d.degraded && !d.listed.is_listed())
+            .map(|d| d.remaining)
+        else {
+            continue;
+        };
+        let mut charged = 0;
+        if left > 0 {
+            let rest = crate::Target {
+                cost: left,
+                ..target.clone()
+            };
+            if let Ok(d) = limiter.charge_settled(std::slice::from_ref(&rest)).await {
+                if d.iter().all(|d| d.allowed) {
+                    charged = left;
+                }
+            }
         }
+        tracing::warn!(
+            cost = target.cost,
+            charged,
+            "fleetlimit: a settled cost exceeded its reservation and the budget left; what was left was charged"
+        );
     }
 }
 
