@@ -45,6 +45,7 @@ pub fn json_field(field: &str) -> BodyField {
         .collect();
     BodyField {
         field: Field::Json { pointer, path },
+        normalize: None,
         warned: AtomicBool::new(false),
     }
 }
@@ -57,16 +58,60 @@ pub fn json_field(field: &str) -> BodyField {
 pub fn form_field(name: &str) -> BodyField {
     BodyField {
         field: Field::Form(name.to_owned()),
+        normalize: None,
         warned: AtomicBool::new(false),
     }
 }
 
 /// A [`KeyExtractor`] reading a field of the request body; see [`json_field`] and
 /// [`form_field`].
-#[derive(Debug)]
 pub struct BodyField {
     field: Field,
+    normalize: Option<Box<dyn Fn(&str) -> String + Send + Sync>>,
     warned: AtomicBool,
+}
+
+impl std::fmt::Debug for BodyField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BodyField")
+            .field("field", &self.field)
+            .field("normalized", &self.normalize.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BodyField {
+    /// Key on the field's value as the application reads it: `normalize` maps the value (a
+    /// number or boolean as JSON writes it) before it becomes the key, and an empty result is no
+    /// key. Without it, the key is the value byte for byte, and an application that trims,
+    /// lowercases or otherwise normalises what it reads (a login's account name) would give
+    /// `Alice`, `alice` and `alice ` three buckets for one account.
+    ///
+    /// ```
+    /// use fleetlimit::key::{json_field, KeyExtractor};
+    /// use fleetlimit::Key;
+    ///
+    /// let account = json_field("account").normalized(|name| name.trim().to_lowercase());
+    /// let mut parts = http::Request::post("/login").body(()).unwrap().into_parts().0;
+    /// # fleetlimit::layer::BufferedBody::__for_tests(&mut parts, br#"{"account":" Alice "}"#);
+    /// assert_eq!(account.extract(&parts), Some(Key::new("alice")));
+    /// ```
+    pub fn normalized(
+        mut self,
+        normalize: impl Fn(&str) -> String + Send + Sync + 'static,
+    ) -> Self {
+        self.normalize = Some(Box::new(normalize));
+        self
+    }
+
+    /// The key for a field's value, normalised.
+    fn key(&self, value: &str) -> Option<Key> {
+        let value = match &self.normalize {
+            Some(normalize) => std::borrow::Cow::Owned(normalize(value)),
+            None => std::borrow::Cow::Borrowed(value),
+        };
+        (!value.is_empty()).then(|| Key::new(value.as_ref()))
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -93,14 +138,16 @@ impl KeyExtractor for BodyField {
             }
             return None;
         };
-        match &self.field {
-            Field::Json { path, .. } => json_at(body.bytes(), path),
-            Field::Form(name) => form_urlencoded::parse(body.bytes())
-                .filter(|(k, _)| k == name)
-                .last()
-                .filter(|(_, v)| !v.is_empty())
-                .map(|(_, v)| Key::new(v.as_bytes())),
-        }
+        let value = match &self.field {
+            Field::Json { path, .. } => std::borrow::Cow::Owned(json_at(body.bytes(), path)?),
+            Field::Form(name) => {
+                form_urlencoded::parse(body.bytes())
+                    .filter(|(k, _)| k == name)
+                    .last()?
+                    .1
+            }
+        };
+        self.key(&value)
     }
 
     fn check(&self) -> Result<(), ConfigError> {
@@ -131,17 +178,17 @@ impl KeyExtractor for BodyField {
     }
 }
 
-/// The key at `path` in a JSON document, read in one pass that skips everything else as a
+/// The value at `path` in a JSON document (a string, or a number or boolean as JSON writes it), read in one pass that skips everything else as a
 /// typed handler's parse skips fields it does not know. Parsing the whole body into a
 /// `serde_json::Value` refuses what such a handler accepts (a number out of range, nesting past
 /// 128 levels, bad UTF-8 in a string, all in fields the handler ignores), and a refused body
 /// has no key: the rule was skipped while the handler still served the request. A field given
 /// twice counts as its last, as a `Value` reads it (a typed handler refuses the body).
-fn json_at(body: &[u8], path: &[String]) -> Option<Key> {
+fn json_at(body: &[u8], path: &[String]) -> Option<String> {
     let mut document = serde_json::Deserializer::from_slice(body);
-    let key = At(path).deserialize(&mut document).ok()?;
+    let value = At(path).deserialize(&mut document).ok()?;
     document.end().ok()?;
-    key
+    value
 }
 
 /// Finds the value at a path of object fields and array indexes; everything off the path is
@@ -149,50 +196,50 @@ fn json_at(body: &[u8], path: &[String]) -> Option<Key> {
 struct At<'p>(&'p [String]);
 
 impl<'de> DeserializeSeed<'de> for At<'_> {
-    type Value = Option<Key>;
+    type Value = Option<String>;
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Key>, D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
         d.deserialize_any(self)
     }
 }
 
 impl<'de> Visitor<'de> for At<'_> {
-    type Value = Option<Key>;
+    type Value = Option<String>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Option<Key>, E> {
+    fn visit_bool<E>(self, v: bool) -> Result<Option<String>, E> {
         Ok(self
             .0
             .is_empty()
-            .then(|| Key::new(if v { "true" } else { "false" })))
+            .then(|| (if v { "true" } else { "false" }).to_owned()))
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<Option<Key>, E> {
-        Ok(self.0.is_empty().then(|| Key::new(v.to_string())))
+    fn visit_i64<E>(self, v: i64) -> Result<Option<String>, E> {
+        Ok(self.0.is_empty().then(|| v.to_string()))
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<Option<Key>, E> {
-        Ok(self.0.is_empty().then(|| Key::new(v.to_string())))
+    fn visit_u64<E>(self, v: u64) -> Result<Option<String>, E> {
+        Ok(self.0.is_empty().then(|| v.to_string()))
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Option<Key>, E> {
+    fn visit_f64<E>(self, v: f64) -> Result<Option<String>, E> {
         // Written as a `Value` would write it (`1.5`, `1e300`).
         let number = serde_json::Number::from_f64(v).filter(|_| self.0.is_empty());
-        Ok(number.map(|n| Key::new(n.to_string())))
+        Ok(number.map(|n| n.to_string()))
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Option<Key>, E> {
-        Ok((self.0.is_empty() && !v.is_empty()).then(|| Key::new(v)))
+    fn visit_str<E>(self, v: &str) -> Result<Option<String>, E> {
+        Ok(self.0.is_empty().then(|| v.to_owned()))
     }
 
-    fn visit_unit<E>(self) -> Result<Option<Key>, E> {
+    fn visit_unit<E>(self) -> Result<Option<String>, E> {
         Ok(None)
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Key>, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<String>, A::Error> {
         let mut found = None;
         match self.0.split_first() {
             Some((field, rest)) => {
@@ -209,7 +256,7 @@ impl<'de> Visitor<'de> for At<'_> {
         Ok(found)
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Key>, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<String>, A::Error> {
         let (index, rest) = match self.0.split_first() {
             Some((segment, rest)) => (array_index(segment), rest),
             None => (None, self.0),
@@ -289,6 +336,38 @@ mod tests {
         let unread = http::Request::post("/").body(()).unwrap().into_parts().0;
         assert_eq!(json_field("account").extract(&unread), None);
         assert!(json_field("").check().is_err());
+    }
+
+    /// Spellings of one account that the application reads alike share one key once
+    /// normalised, in JSON and in forms; what normalises to nothing is no key.
+    #[test]
+    fn normalised_fields_give_one_account_one_key() {
+        let lower = |name: &str| name.trim().to_lowercase();
+        let json = json_field("account").normalized(lower);
+        for spelling in ["alice", "Alice", " ALICE", "alice\\t"] {
+            let body = format!(r#"{{"account":"{spelling}"}}"#);
+            assert_eq!(
+                json.extract(&parts_with(body.as_bytes())),
+                Some(Key::new("alice")),
+                "{spelling}"
+            );
+        }
+        assert_eq!(json.extract(&parts_with(br#"{"account":"  "}"#)), None);
+        assert_eq!(
+            json.extract(&parts_with(br#"{"account":7}"#)),
+            Some(Key::new("7"))
+        );
+        let form = form_field("user").normalized(lower);
+        assert_eq!(
+            form.extract(&parts_with(b"user=+Bob%20")),
+            Some(Key::new("bob"))
+        );
+        assert_eq!(form.extract(&parts_with(b"user=")), None);
+        // Without it, each spelling is a key of its own.
+        assert_ne!(
+            json_field("account").extract(&parts_with(br#"{"account":"Alice"}"#)),
+            Some(Key::new("alice"))
+        );
     }
 
     #[test]
