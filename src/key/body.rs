@@ -67,9 +67,12 @@ pub fn form_field(name: &str) -> BodyField {
 /// [`form_field`].
 pub struct BodyField {
     field: Field,
-    normalize: Option<Box<dyn Fn(&str) -> String + Send + Sync>>,
+    normalize: Option<Box<Normalize>>,
     warned: AtomicBool,
 }
+
+/// What [`BodyField::normalized`] maps a field's value with.
+type Normalize = dyn Fn(&str) -> String + Send + Sync;
 
 impl std::fmt::Debug for BodyField {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
