@@ -177,6 +177,7 @@ impl ConcurrencyLimiter {
             id,
             armed: true,
         };
+        let sent = tokio::time::Instant::now();
         let call = inner
             .store
             .slots(SlotOp::Acquire, &inner.name, key, id, limit, inner.ttl);
@@ -190,7 +191,7 @@ impl ConcurrencyLimiter {
             Ok((true, _)) => {
                 pending.armed = false;
                 inner.answered();
-                Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id))
+                Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id, sent))
             }
             Ok((false, in_flight)) => {
                 pending.armed = false;
@@ -372,13 +373,20 @@ impl Drop for Pending<'_> {
 }
 
 /// Give slot `id` back in the background (a call that timed out may have taken it, or the
-/// slot was held with no task of its own).
+/// slot was held with no task of its own). Outside a Tokio runtime there is no background:
+/// an in-process store gives it back on the spot, and another store's slot expires by itself.
 fn release_later(limiter: Arc<Inner>, key: Key, id: u64) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             runtime.spawn(async move { release(&limiter, &key, id).await });
         }
-        Err(_) => tracing::debug!("fleetlimit: a slot dropped outside a runtime expires by itself"),
+        Err(_) => {
+            let mut release = std::pin::pin!(release(&limiter, &key, id));
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if std::future::Future::poll(release.as_mut(), &mut cx).is_pending() {
+                tracing::debug!("fleetlimit: a slot dropped outside a runtime expires by itself");
+            }
+        }
     }
 }
 
@@ -447,7 +455,8 @@ impl Slot {
     /// it back after any renewal it has sent, so a late renewal does not hold the slot again,
     /// for a ttl, for nobody. (One exception: a renewal abandoned at its timeout on a pooled
     /// or Sentinel connection, which is then replaced, can still land after the release.)
-    fn held(limiter: Arc<Inner>, key: Key, id: u64) -> Slot {
+    /// `sent`: when the acquisition was sent, from which the slot's ttl may already run.
+    fn held(limiter: Arc<Inner>, key: Key, id: u64, sent: tokio::time::Instant) -> Slot {
         let renewal = tokio::runtime::Handle::try_current().ok().map(|runtime| {
             let (limiter, key) = (limiter.clone(), key.clone());
             let (dropped, mut released) = tokio::sync::oneshot::channel::<()>();
@@ -457,7 +466,9 @@ impl Slot {
                 // again soon, not a third later (two thirds after a failure, the next try came
                 // when the slot had expired, and the request went on without it).
                 let retry = limiter.ttl / 10;
-                let mut wait = every;
+                // The first renewal counts from the acquisition's sending: the store may have
+                // taken the slot then, and a slow answer must not let it lapse.
+                let mut wait = every.saturating_sub(sent.elapsed());
                 loop {
                     if tokio::time::timeout(wait, &mut released).await.is_ok() {
                         break;
@@ -811,6 +822,74 @@ mod tests {
             .build()
             .unwrap();
         (limiter, store)
+    }
+
+    /// A slow answer to an acquisition: the slot's ttl ran from when the store took it, and
+    /// its first renewal comes a third of the ttl after the sending, not after the answer, so
+    /// the slot never lapses while held (another instance would take it, over the limit).
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_answer_does_not_let_a_new_slot_lapse() {
+        let store = MemoryStore::builder()
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let ttl = Duration::from_millis(300);
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::ZERO,
+            reply_after: Duration::from_millis(250),
+            lost_renewals: 0.into(),
+        };
+        let limiter = ConcurrencyLimiter::builder(link, "in-flight", 1)
+            .ttl(ttl)
+            .deadline(Duration::from_secs(2))
+            .on_store_error(OnStoreError::fail_closed())
+            .build()
+            .unwrap();
+        let key = Key::new("tenant");
+        let start = tokio::time::Instant::now();
+        let held = limiter.acquire(&key).await;
+        assert!(matches!(held, Acquired::Held(_)));
+        assert_eq!(start.elapsed(), Duration::from_millis(250));
+        tokio::time::sleep_until(start + Duration::from_millis(320)).await;
+        let (taken, in_flight) = store.slots_now(SlotOp::Acquire, "in-flight", &key, 7, 1, ttl);
+        assert!(!taken, "the slot lapsed while held: {in_flight} in flight");
+    }
+
+    /// Driven by another executor than Tokio's, a slot on the memory store has no task to
+    /// renew it; given back when dropped all the same, on the spot, rather than held for its
+    /// ttl by nobody.
+    #[test]
+    fn a_slot_dropped_outside_a_runtime_is_given_back() {
+        let clock = crate::ManualClock::default();
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let limiter = ConcurrencyLimiter::builder(store.clone(), "in-flight", 1)
+            .build()
+            .unwrap();
+        let key = Key::new("tenant");
+        let in_flight = || {
+            store
+                .slots_now(
+                    SlotOp::Acquire,
+                    "in-flight",
+                    &key,
+                    0,
+                    0,
+                    Duration::from_secs(5),
+                )
+                .1
+        };
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for _ in 0..2 {
+            let mut acquire = std::pin::pin!(limiter.acquire(&key));
+            let std::task::Poll::Ready(Acquired::Held(slot)) = acquire.as_mut().poll(&mut cx)
+            else {
+                panic!("the memory store answers at once, and the slot is free");
+            };
+            assert_eq!(in_flight(), 1);
+            drop(slot);
+            assert_eq!(in_flight(), 0, "given back at once");
+        }
     }
 
     /// One renewal lost: the next try comes soon enough that the slot never lapses, and a

@@ -24,7 +24,7 @@ impl Clock for TokioClock {
 }
 
 /// `store` behind a link that takes `delay` (tokio time) per decision, lease and refund, whose
-/// decisions' replies take `reply_after` more once decided, and that never answers the first
+/// decisions' and concurrency slots' replies take `reply_after` more once decided, and that never answers the first
 /// `lost_renewals` concurrency-slot renewals.
 pub(crate) struct Link {
     pub(crate) store: MemoryStore,
@@ -147,6 +147,14 @@ impl Store for Link {
         if lost {
             return Box::pin(std::future::pending());
         }
-        self.store.slots(op, name, key, slot, limit, ttl)
+        let call = self.store.slots(op, name, key, slot, limit, ttl);
+        let reply_after = self.reply_after;
+        Box::pin(async move {
+            let answer = call.await;
+            if !reply_after.is_zero() {
+                tokio::time::sleep(reply_after).await;
+            }
+            answer
+        })
     }
 }
