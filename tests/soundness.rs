@@ -401,6 +401,41 @@ async fn a_huge_count_read_under_a_year_long_window_refuses() {
     .await;
 }
 
+/// A peek or an inspection reads a key under the rule's own quota when the key's real one is
+/// decided per request (`Scope::quota`, a tenant's plan) or passing (a rolling change): it
+/// must write nothing. Converted, the hour's permits would move into a minute that ends, and
+/// the key would get its hour again.
+#[tokio::test]
+async fn a_peek_under_another_quota_converts_nothing() {
+    for read in ["peek", "inspect"] {
+        each_backend(async |backend, clock, name| {
+            let base = Rule::new("api", Quota::per_minute(100).build().unwrap()).unwrap();
+            let limiter = backend.limiter(base, &clock).await;
+            let tenant = Key::new("tenant-7");
+            let hour = Quota::per_hour(50).build().unwrap();
+            limiter
+                .set_override("api", &tenant, Some(hour.clone()))
+                .unwrap();
+            assert!(limiter.consume(&tenant, 50).await.unwrap().allowed);
+            clock.set(T0 + 60_000_000);
+            limiter.set_override("api", &tenant, None).unwrap();
+            if read == "peek" {
+                limiter.peek(&tenant).await.unwrap();
+            } else {
+                limiter.inspect(&tenant).await.unwrap();
+            }
+            limiter.set_override("api", &tenant, Some(hour)).unwrap();
+            clock.set(T0 + 130_000_000);
+            let mut admitted = 0;
+            for _ in 0..20 {
+                admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
+            }
+            assert_eq!(admitted, 0, "{name}, {read}: the hour's 50 are spent");
+        })
+        .await;
+    }
+}
+
 /// A key's quota changed and changed back between a decision and its refund (a rolling
 /// configuration change): the refund, counted under the quota in force when it runs, must not
 /// convert the key's state to it. Converted, the hour's permits would move into a minute that

@@ -810,10 +810,13 @@ impl Shard {
                 }
             },
         };
-        // Only a conversion to another quota is kept when nothing is taken, as the Redis script
-        // writes back only that; bringing a state up to date otherwise changes no decision. (A
-        // log's clean-up is kept in both, and a log is never converted.)
-        let converts = state.converts(now, quota);
+        // Only a consume's conversion to another quota is kept when nothing is taken, as the
+        // Redis script writes back only that; bringing a state up to date otherwise changes no
+        // decision. A peek writes nothing: it may read the key under a quota that is not its own
+        // (an inspection under the rule's quota, where the key's is decided per request), and
+        // converted, an hour's count would move into a minute that ends. (A log's clean-up is
+        // kept in both, and a log is never converted.)
+        let converts = op == Op::Consume && state.converts(now, quota);
         let undo = (place == Place::Found && !converts && !matches!(state, State::SlidingLog(_)))
             .then(|| state.clone());
         let mut decision = state.decide(now, quota, check.cost);

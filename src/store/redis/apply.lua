@@ -126,10 +126,9 @@ local function decide_listed(c, l)
 end
 
 if op == 'lease' and listing[1] ~= nil then
-  -- A listed key is decided request by request: no block. As a peek, it keeps a conversion.
+  -- A listed key is decided request by request: no block. As a peek, it writes nothing.
   local c = checks[1]
   emit(decide_listed(c, listing[1]), listed_anchor(listing[1]))
-  if c.st.dirty then c.alg.save(c.st, now, c.q) end
   out[#out + 1] = 0
   out[#out + 1] = now
   out[#out + 1] = 0
@@ -172,6 +171,13 @@ if op == 'refund' then
   return out
 end
 
+-- A request a listing refuses takes nothing, and its other checks are only peeked (as the
+-- memory store's around_known does): like every peek, they write nothing.
+local peeking = op ~= 'consume'
+for i = 1, nchecks do
+  if listing[i] ~= nil and listing[i] ~= 'allow' then peeking = true end
+end
+
 local decisions = {}
 local all_allowed = true
 for i, c in ipairs(checks) do
@@ -187,9 +193,8 @@ for i, c in ipairs(checks) do
   local d = decisions[i]
   local taken = -1
   if listing[i] ~= nil then
+    -- Counted nothing, and decided from the state as a peek sees it: written nothing.
     taken = listed_anchor(listing[i])
-    -- Counted nothing; a state read under another quota keeps its conversion.
-    if c.st.dirty then c.alg.save(c.st, now, c.q) end
   elseif op == 'consume' and all_allowed then
     taken = c.alg.commit(c.st, now, c.q, c.cost)
     c.alg.save(c.st, now, c.q)
@@ -198,8 +203,9 @@ for i, c in ipairs(checks) do
       -- Nothing is taken: report the permits as still there.
       d[3] = d[3] + c.cost
     end
-    -- A state read under another quota keeps its conversion (the memory store does too).
-    if c.st.dirty then c.alg.save(c.st, now, c.q) end
+    -- A consume's state read under another quota keeps its conversion (the memory store's
+    -- does too); a peek writes nothing: it may read a key under a quota not its own.
+    if c.st.dirty and not peeking then c.alg.save(c.st, now, c.q) end
   end
   emit(d, taken)
 end
