@@ -331,6 +331,39 @@ async fn a_listed_hot_key_takes_one_store_call_per_request() {
     assert!(calls <= 2, "{calls} calls for 50 requests of a denied key");
 }
 
+/// A deny or a block an operator sets from this process stops this process's leased block at
+/// once: "nothing is counted while it lasts" would otherwise wait for the block to run out (up
+/// to its validity, 10 s here), admitting from it all along.
+#[tokio::test]
+async fn a_listing_set_here_stops_the_block_at_once() {
+    const BLOCK: u64 = 100;
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let hot = rule(10_000_000, Duration::from_secs(60), Algorithm::FixedWindow);
+    let config = LeaseConfig::fixed(BLOCK).max_validity(Duration::from_secs(10));
+    let l = limiter(&server, &clock, hot, Some(config)).await;
+    for (name, list) in [("deny", 0), ("block", 1)] {
+        let key = Key::new(format!("vip-{name}"));
+        for _ in 0..BLOCK * 3 + 1 {
+            assert!(l.consume(&key, 1).await.unwrap().allowed);
+        }
+        assert_eq!(l.consume(&key, 1).await.unwrap().source, Source::Lease);
+        if list == 0 {
+            l.deny(&key).await.unwrap();
+        } else {
+            l.block(&key, Duration::from_secs(3600)).await.unwrap();
+        }
+        for i in 0..10 {
+            let d = l.consume(&key, 1).await.unwrap();
+            assert!(
+                !d.allowed,
+                "{name}: request {i} admitted from {:?}",
+                d.source
+            );
+        }
+    }
+}
+
 /// A hot key listed by another instance: this one learns the listing from the store's answer,
 /// then sends the key's requests to the store side by side (no lease calls, none queued behind a
 /// refill, where a burst used to wait one call at a time and could outlast its deadline), and

@@ -161,7 +161,7 @@ struct Slot {
     /// Set when the sweeper takes the slot out of leased mode: a refill that gets the lock
     /// afterwards decides through the store rather than strand a block in a slot nobody sees.
     retired: AtomicBool,
-    /// Counts changes of this key's own quota ([`Leases::key_quota_changed`]).
+    /// Counts changes of this key's own quota or listing ([`Leases::key_changed`]).
     quota_changes: AtomicU64,
 }
 
@@ -214,12 +214,13 @@ impl Leases {
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// One key's quota changed (an override set or removed): its block, leased under the old
-    /// one, is spent no more, as in [`quotas_changed`](Leases::quotas_changed); the other keys'
-    /// blocks go on. A key whose slot is not in the map spends nothing: it never had a block
+    /// One key's quota changed (an override set or removed), or its listing (set from this
+    /// process: an operator's deny or block, the penalty box's): its block, leased before, is
+    /// spent no more, as in [`quotas_changed`](Leases::quotas_changed); the other keys' blocks
+    /// go on. A key whose slot is not in the map spends nothing: it never had a block
     /// (an override's requests are decided by the store, never leased), or its slot was marked
     /// retired before it left the map.
-    pub(crate) fn key_quota_changed(&self, index: usize, key: &Key) {
+    pub(crate) fn key_changed(&self, index: usize, key: &Key) {
         if let Some(slot) = self.slots.load().get(&(index, key.clone())) {
             slot.quota_changes.fetch_add(1, Ordering::AcqRel);
         }
@@ -466,19 +467,12 @@ impl Inner {
         // look (released first, each would lease again, for nothing).
         let old = slot.block.swap(Arc::new(Block::empty()));
         let granted = block(lease.permits);
-        let refunds: Vec<Refund<'_>> = [old.drain(), granted.drain()]
+        let taken: Vec<Taken> = [old.drain(), granted.drain()]
             .into_iter()
             .flatten()
-            .map(|taken| Refund {
-                rule: check.rule,
-                key: check.key,
-                taken,
-            })
             .collect();
-        if !refunds.is_empty() {
-            let given = self.give_back(&refunds, deadline).await;
-            let permits = refunds.iter().map(|r| r.taken.cost()).sum();
-            count_returned(check.rule, permits, given);
+        if !taken.is_empty() {
+            self.give_back_now(check, taken, deadline).await;
         }
         let decision = self.decide_direct(check, deadline).await;
         drop(one_at_a_time);
@@ -579,6 +573,37 @@ impl Inner {
         });
     }
 
+    /// Give back `taken` (drained blocks of `check`'s key) within `deadline`, and wait for it.
+    /// The give-back runs as a task of its own: a request dropped meanwhile (a client gone, a
+    /// caller's timeout) would otherwise take the permits with it, out of the store's count
+    /// until the window ends or the bucket refills.
+    async fn give_back_now(&self, check: &Check<'_>, taken: Vec<Taken>, deadline: Deadline) {
+        let (rule, key) = (check.rule.clone(), check.key.clone());
+        let give_back = move |me: Arc<Inner>| async move {
+            let refunds: Vec<Refund<'_>> = taken
+                .iter()
+                .map(|&taken| Refund {
+                    rule: &rule,
+                    key: &key,
+                    taken,
+                })
+                .collect();
+            let given = me.give_back(&refunds, deadline).await;
+            let permits = taken.iter().map(Taken::cost).sum();
+            count_returned(&rule, permits, given);
+        };
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                // A task that panicked gave back what it could; nothing more to do here.
+                let _ = runtime.spawn(give_back(me)).await;
+            }
+            Err(_) => give_back(me).await,
+        }
+    }
+
     /// Return unspent permits through their receipt; false when the store could not take them
     /// (they come back by themselves when the window ends or the bucket refills).
     /// `unclaimed`: a lease nobody received, sent straight to the store, within a bound of its
@@ -619,7 +644,7 @@ impl Inner {
 
     /// Give back every unspent leased permit now (for a shutdown) and leave leased mode.
     pub(super) async fn release_all(&self) {
-        // Marked retired before they leave the map (see `key_quota_changed`), and again after,
+        // Marked retired before they leave the map (see `key_changed`), and again after,
         // for a slot inserted meanwhile.
         for slot in self.leases.slots.load().values() {
             slot.retired.store(true, Ordering::Release);
@@ -671,7 +696,7 @@ impl Inner {
         }
         // Retired before they leave the map: a request still holding one spends nothing from
         // it, since a quota change of its key would no longer find it (see
-        // `key_quota_changed`). Each is either removed below or was replaced already.
+        // `key_changed`). Each is either removed below or was replaced already.
         for (_, slot) in &quiet {
             slot.retired.store(true, Ordering::Release);
         }
@@ -924,6 +949,43 @@ mod tests {
         assert_eq!(plain.peek(&key).await.unwrap().remaining, 0);
         let d = leased.consume(&key, 1).await.unwrap();
         assert!(!d.allowed, "all 100 taken");
+    }
+
+    /// The same split, on a store 2 ms away, by a request dropped while both blocks are on
+    /// their way back (a client gone, a caller's timeout): they still get there, and the 5
+    /// permits are the store's again, not lost until the window ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_dropped_during_the_split_give_back_loses_no_permit() {
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::from_millis(2),
+            reply_after: Duration::ZERO,
+            lost_renewals: Default::default(),
+        };
+        let leased = Limiter::builder(link)
+            .rule(hot_rule())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", LeaseConfig::fixed(10))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let plain = Limiter::builder(store).rule(hot_rule()).build().unwrap();
+        let key = Key::new("k");
+        for _ in 0..88 {
+            assert!(plain.consume(&key, 1).await.unwrap().allowed);
+        }
+        for _ in 0..7 {
+            assert!(leased.consume(&key, 1).await.unwrap().allowed);
+        }
+        assert_eq!(plain.peek(&key).await.unwrap().remaining, 2);
+        // The lease call answers at 2 ms (2 more permits: too few), the give-back of both
+        // blocks is sent then, and lands at 4 ms; the request is dropped at 3 ms.
+        let dropped = tokio::time::timeout(Duration::from_millis(3), leased.consume(&key, 5)).await;
+        assert!(dropped.is_err());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(plain.peek(&key).await.unwrap().remaining, 5);
     }
 
     #[tokio::test(start_paused = true)]

@@ -359,7 +359,7 @@ impl Limiter {
         inner.overrides.store(Arc::new(overrides));
         // A block leased under the key's old quota is not spent under its new one (after the
         // overrides, as `set_quotas` does after the rules); the other keys' blocks go on.
-        inner.leases.key_quota_changed(index, key);
+        inner.leases.key_changed(index, key);
         if let Some(denials) = &inner.denials {
             denials.forget(key);
         }
@@ -715,9 +715,7 @@ impl Limiter {
         deadline
             .run(self.inner.store.set_listing(key, listing))
             .await??;
-        if let Some(denials) = &self.inner.denials {
-            denials.forget(key);
-        }
+        self.inner.listing_changed(key);
         if self.inner.policy.is_some() {
             // Only a store that can fail has outages to remember listings for.
             let now = self.inner.clock.now_us();
@@ -1222,15 +1220,25 @@ impl Inner {
     /// Block `key` for `block`, unless an operator's entry says more: a deny-list or
     /// allow-list entry, or a block that ends later, is never shortened or replaced. False
     /// when the store could not say or set it.
+    /// `key`'s listing changed from this process: what was decided before stands no more here,
+    /// at once (other instances learn it from the store, within a block's validity): its
+    /// remembered denials, and its leased blocks under every rule.
+    fn listing_changed(&self, key: &Key) {
+        if let Some(denials) = &self.denials {
+            denials.forget(key);
+        }
+        for index in 0..self.rules.load().len() {
+            self.leases.key_changed(index, key);
+        }
+    }
+
     async fn penalise(&self, key: &Key, block: Duration) -> bool {
         // One step in the store: an operator's entry made meanwhile, from any instance, is
         // never overwritten by a block read as missing a moment before.
         match self.store.block_unless_listed(key, block).await {
             Ok(false) => true,
             Ok(true) => {
-                if let Some(denials) = &self.denials {
-                    denials.forget(key);
-                }
+                self.listing_changed(key);
                 if self.policy.is_some() {
                     let now = self.clock.now_us();
                     self.listings.set(key, Some(Listing::Block(block)), now);
