@@ -729,6 +729,61 @@ async fn refusals_the_store_gave_stand_through_an_outage_until_their_retry_time(
     assert!(!limiter.consume(&denied, 1).await.unwrap().allowed);
 }
 
+/// A remembered denial stands through an outage only while nothing the store said since
+/// disproves it: an admission of the key by a request on several rules (the cache remembers
+/// single-rule refusals, but every admission of the key counts against them), or permits given
+/// back to it by this instance. Kept, the key would be refused for the rest of its old wait,
+/// though the store had since admitted it. (Here `FailOpen` decides a key nothing is known of.)
+#[tokio::test]
+async fn a_denial_the_store_disproved_since_does_not_outlive_it_in_an_outage() {
+    for disproof in ["an admission on two rules", "a refund"] {
+        let mut server = RedisServer::start();
+        let clock = fleetlimit::ManualClock::new(1_900_000_000_000_000);
+        let build = || {
+            let rules = vec![
+                Rule::new("per-ip", Quota::per_hour(2).build().unwrap()).unwrap(),
+                Rule::new("per-user", Quota::per_hour(100).build().unwrap()).unwrap(),
+            ];
+            on_a_manual_clock(&server, &clock, rules, OnStoreError::FailOpen)
+        };
+        let (admin, open) = (build().await, build().await);
+        let (ip, user) = (Key::new("203.0.113.9"), Key::new("user-7"));
+        let mut receipt = None;
+        for _ in 0..2 {
+            let (d, r) = open.consume_with_receipt(&ip, 1).await.unwrap();
+            assert!(d.allowed, "{disproof}");
+            receipt = r;
+        }
+        // Refused on the per-IP rule alone, for the hour: remembered.
+        let d = open
+            .apply_to(Op::Consume, &[("per-ip", &ip)], 1)
+            .await
+            .unwrap();
+        assert!(!d[0].allowed && !d[0].degraded, "{disproof}");
+        clock.advance(Duration::from_millis(1));
+        if disproof == "a refund" {
+            open.refund(receipt.unwrap()).await.unwrap();
+        } else {
+            admin.reset(&ip).await.unwrap();
+            let d = open
+                .apply_to(Op::Consume, &[("per-ip", &ip), ("per-user", &user)], 1)
+                .await
+                .unwrap();
+            assert!(d.iter().all(|d| d.allowed), "{disproof}: {d:?}");
+        }
+        server.kill();
+        clock.advance(Duration::from_secs(5));
+        let d = open
+            .apply_to(Op::Consume, &[("per-ip", &ip)], 1)
+            .await
+            .unwrap();
+        assert!(
+            d[0].allowed && d[0].degraded,
+            "{disproof}: the policy decides, not the old denial: {d:?}"
+        );
+    }
+}
+
 /// A listing the store applied keeps deciding its key through an outage, on every rule and at
 /// any cost, whatever the policy, though this instance never made it: a deny-listed or blocked
 /// key stays refused (until the block ends), an allow-listed one admitted, even when the request

@@ -199,6 +199,11 @@ impl DenialCache {
         if self.generation(&key.1) != asked.generation {
             return;
         }
+        // Answers can come back out of order (two calls on two threads): a denial for an
+        // earlier call never replaces what a later one said.
+        if shard.get(&key).is_some_and(|r| r.asked_at > asked_at) {
+            return;
+        }
         if shard.len() >= self.per_shard && !shard.contains_key(&key) {
             shard.retain(|_, r| r.until > asked_at);
             if shard.len() >= self.per_shard {
@@ -303,6 +308,30 @@ mod tests {
             "never past the store's time"
         );
         assert!(c.get(&k, 2, 250_000).is_none(), "forgotten once over");
+    }
+
+    /// Answers that come back out of order: a denial for an earlier call never replaces the
+    /// one a later call got (its longer wait would outlast what the store said last).
+    #[test]
+    fn an_earlier_calls_denial_never_replaces_a_later_ones() {
+        let c = DenialCache::new(100, Duration::from_secs(60));
+        let k = (0, Key::new("k"));
+        c.remember(
+            k.clone(),
+            1,
+            &denial(1_000, 1_000),
+            asked(&c, &k, 20_000_000),
+        );
+        c.remember(
+            k.clone(),
+            1,
+            &denial(60_000, 60_000),
+            asked(&c, &k, 10_000_000),
+        );
+        assert!(
+            c.get_in_outage(&k, 1, 22_000_000).is_none(),
+            "the later call's 1 s wait is over"
+        );
     }
 
     /// A later admission by the store lifts a denial it proves wrong: one of a cost no larger,

@@ -37,6 +37,8 @@ impl Inner {
                     self.learn_listings(checks, &decisions, asked_at);
                     if let ([check], [d], Op::Consume) = (checks, decisions.as_slice(), op) {
                         self.remember(check, d, asked);
+                    } else {
+                        self.lift_disproved(checks, &decisions, asked);
                     }
                     decisions
                 }
@@ -64,6 +66,7 @@ impl Inner {
                 continue;
             };
             self.learn_listings(&group, &decisions, asked_at);
+            self.lift_disproved(&group, &decisions, asked);
             let all_allowed = decisions.iter().all(|d| d.allowed);
             for (&i, d) in members.iter().zip(decisions) {
                 out[i] = Some(d);
@@ -138,7 +141,11 @@ impl Inner {
     /// sent again, even if it failed: it may have landed, and would give back twice.
     pub(super) async fn give_back(&self, refunds: &[Refund<'_>], deadline: Deadline) -> bool {
         if self.policy.is_none() {
-            return self.store.refund(refunds).await.is_ok();
+            let given = self.store.refund(refunds).await.is_ok();
+            if given {
+                self.refunded(refunds);
+            }
+            return given;
         }
         let checks: Vec<Check<'_>> = refunds.iter().map(Refund::check).collect();
         let mut all = true;
@@ -150,15 +157,30 @@ impl Inner {
                 continue;
             }
             let group_checks: Vec<Check<'_>> = members.iter().map(|&i| checks[i]).collect();
-            all &= self
+            let given = self
                 .call_store("refund", &group_checks, deadline, self.store.refund(&group))
                 .await
                 .is_some();
+            if given {
+                self.refunded(&group);
+            }
+            all &= given;
         }
         if !unsent.is_empty() {
             self.give_back_unsent(&unsent);
         }
         all
+    }
+
+    /// Permits went back to these refunds' keys: a denial remembered for them may be wrong
+    /// now, and is forgotten. (Only once given: forgotten in an outage, a refusal would be left
+    /// to the policy, which may admit.)
+    fn refunded(&self, refunds: &[Refund<'_>]) {
+        if let Some(denials) = &self.denials {
+            for r in refunds {
+                denials.forget(r.key);
+            }
+        }
     }
 
     /// [`give_back`](Inner::give_back) in the background, within a deadline of its own (each

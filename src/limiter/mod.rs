@@ -1083,6 +1083,21 @@ impl Inner {
         }
     }
 
+    /// The store admitted these checks, each alone at its cost (whether or not their request
+    /// took anything: another rule may have refused it): a denial remembered for one of them
+    /// (by a single-rule request) no longer stands. Kept, it would refuse the key through an
+    /// outage, up to its old retry time, though the store had since said otherwise.
+    fn lift_disproved(&self, checks: &[Check<'_>], decisions: &[Decision], asked: Asked) {
+        if self.denials.as_ref().is_none_or(|c| c.is_empty()) {
+            return;
+        }
+        for (c, d) in checks.iter().zip(decisions) {
+            if d.allowed {
+                self.remember(c, d, asked);
+            }
+        }
+    }
+
     /// Decide without the store, as the policy says. Every such decision is marked degraded.
     /// What the store told this process before it went away outranks the policy, check by
     /// check: a key it decided by its listing stays decided by it (refused until the listing's
