@@ -526,6 +526,50 @@ async fn pause_checks_wait_for_no_open_breaker() {
     );
 }
 
+/// The penalty box's block goes through the breaker too: with Redis paused and the breaker
+/// open, a flood of remembered refusals that earns a block is answered at once, not after a
+/// deadline spent on a store the breaker knows is away (each earned block used to cost its
+/// request one).
+#[tokio::test]
+async fn a_penalty_earned_while_the_breaker_is_open_waits_for_nothing() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder().connect(&server.url()).await.unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(1))
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(DEADLINE)
+        .penalty(fleetlimit::Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ))
+        .build()
+        .unwrap();
+    let key = Key::new("flooder");
+    assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+    // Refused by the store: remembered (the denial cache answers the flood below).
+    assert!(!limiter.consume(&key, 1).await.unwrap().allowed);
+    server.pause();
+    for i in 0..3 {
+        let d = limiter
+            .consume(&Key::new(format!("other-{i}")), 1)
+            .await
+            .unwrap();
+        assert!(d.degraded, "the store is away");
+    }
+    assert!(limiter.stats().open_breakers > 0, "{:?}", limiter.stats());
+    let started = Instant::now();
+    for _ in 0..6 {
+        assert!(!limiter.consume(&key, 1).await.unwrap().allowed);
+    }
+    let took = started.elapsed();
+    server.resume();
+    assert!(
+        took < DEADLINE / 2,
+        "{took:?}: the penalty box waited on an open breaker"
+    );
+}
+
 /// Repeated kill/restart cycles under load, bounded in time: every request answered within the
 /// deadline, no stuck requests, no growth.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -803,7 +803,7 @@ impl Limiter {
         inner.record(targets, &decisions);
         for (key, block) in inner.earned(targets, &decisions) {
             // An in-process store answers at once: no future to await on this path.
-            let mut penalise = std::pin::pin!(inner.penalise(&key, block));
+            let mut penalise = std::pin::pin!(inner.penalise(&key, block, None));
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             if std::future::Future::poll(penalise.as_mut(), &mut cx).is_pending() {
                 tracing::warn!("fleetlimit: the penalty box could not block a key in process");
@@ -1205,7 +1205,7 @@ impl Inner {
     /// If it cannot be, the penalty box forgets it, so that the key's next refusals count again.
     async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) {
         let Some(request) = request else {
-            self.penalise(&key, block).await;
+            self.penalise(&key, block, None).await;
             return;
         };
         let record = {
@@ -1215,8 +1215,7 @@ impl Inner {
                     return;
                 };
                 let budget = Deadline::after(inner.deadline);
-                let blocked = budget.run(inner.penalise(&key, block)).await;
-                if !matches!(blocked, Ok(true)) {
+                if !inner.penalise(&key, block, Some(budget)).await {
                     if let Some(penalties) = &inner.penalties {
                         penalties.not_blocked(&key);
                     }
@@ -1232,9 +1231,6 @@ impl Inner {
         }
     }
 
-    /// Block `key` for `block`, unless an operator's entry says more: a deny-list or
-    /// allow-list entry, or a block that ends later, is never shortened or replaced. False
-    /// when the store could not say or set it.
     /// `key`'s listing changed from this process: what was decided before stands no more here,
     /// at once (other instances learn it from the store, within a block's validity): its
     /// remembered denials, and its leased blocks under every rule.
@@ -1247,10 +1243,34 @@ impl Inner {
         }
     }
 
-    async fn penalise(&self, key: &Key, block: Duration) -> bool {
+    /// Block `key` for `block`, unless an operator's entry says more: a deny-list or
+    /// allow-list entry, or a block that ends later, is never shortened or replaced. False
+    /// when the store could not say or set it. `deadline`: the call goes through the key's
+    /// breaker within it (`None`: an in-process store, or one that cannot fail, asked
+    /// directly), so that an open breaker answers at once, as it does every decision.
+    async fn penalise(&self, key: &Key, block: Duration, deadline: Option<Deadline>) -> bool {
         // One step in the store: an operator's entry made meanwhile, from any instance, is
         // never overwritten by a block read as missing a moment before.
-        match self.store.block_unless_listed(key, block).await {
+        let call = self.store.block_unless_listed(key, block);
+        let answer = match deadline {
+            Some(deadline) => {
+                let rules = self.rules.load();
+                let Some(rule) = rules.first() else {
+                    return false;
+                };
+                // Any rule will do: a key's listing lives in its own slot, whatever the rule.
+                let check = Check { rule, key, cost: 1 };
+                self.call_store("penalise", std::slice::from_ref(&check), deadline, call)
+                    .await
+                    .ok_or_else(|| {
+                        StoreError::Connection(
+                            "not answered (an open breaker, or the deadline)".into(),
+                        )
+                    })
+            }
+            None => call.await,
+        };
+        match answer {
             Ok(false) => true,
             Ok(true) => {
                 self.listing_changed(key);
