@@ -7,13 +7,15 @@
 //! closest to a fresh state (the fewest permits used), never one that has used more than half of
 //! its quota. So a client
 //! spraying random keys cannot reset a key it has exhausted: an eviction gives a key back at most
-//! half of its limit. When every entry of a shard has used more than that, new keys share one
+//! half of its limit. (A key's share is counted under the quota of its last admission or
+//! refusal: after a quota is lowered, a key that has sent nothing since still reads as the share
+//! of the old one it used.) When every entry of a shard has used more than that, new keys share one
 //! overflow state per rule (or are refused; see [`Overflow`]) until entries expire.
 //!
 //! Memory per entry: about 120 bytes with the key inline (the README has the measured figure).
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -156,8 +158,11 @@ struct Entry {
     /// From this time on the state equals a fresh one and can be dropped.
     expires_at: u64,
     /// The share of the quota used at the last write (it only falls between writes), in
-    /// 1/65535ths: eviction takes the lowest first.
-    used: u16,
+    /// 1/65535ths, raised by a refusal: eviction takes the lowest first. Atomic, so that a
+    /// refusal decided under the shared lock raises it too: a key refused under a quota lowered
+    /// since its last write reads as exhausted, not as the small share it had used of the old
+    /// one (an eviction would give it the whole new limit).
+    used: AtomicU16,
 }
 
 impl Entry {
@@ -184,11 +189,20 @@ impl Entry {
             let used = used_share(&decision, quota);
             decision.taken = Some(self.state.commit(now, quota, cost));
             self.expires_at = self.state.expires_at(quota);
-            self.used = used;
+            *self.used.get_mut() = used;
         } else {
             undo.restore(&mut self.state);
+            self.refused(&decision, quota);
         }
         decision
+    }
+
+    /// A refusal: the share of the quota it says is used is at least what the key has used.
+    fn refused(&self, decision: &Decision, quota: &Quota) {
+        let share = used_share(decision, quota);
+        if self.used.load(Ordering::Relaxed) < share {
+            self.used.store(share, Ordering::Relaxed);
+        }
     }
 }
 
@@ -825,7 +839,11 @@ impl Shard {
             let expires_at = state.expires_at(quota);
             if let Some(entry) = self.find(check, hash) {
                 entry.expires_at = expires_at;
-                entry.used = entry.used.max(used_share(&decision, quota));
+                entry.refused(&decision, quota);
+            }
+        } else if place == Place::Found && op == Op::Consume && !decision.allowed {
+            if let Some(entry) = self.find(check, hash) {
+                entry.refused(&decision, quota);
             }
         }
         if op != Op::Consume && decision.allowed {
@@ -855,7 +873,9 @@ impl Shard {
         if entry.state.converts(now, quota) {
             return None;
         }
-        entry.state.refusal(now, quota, check.cost)
+        let refusal = entry.state.refusal(now, quota, check.cost)?;
+        entry.refused(&refusal, quota);
+        Some(refusal)
     }
 
     /// Put back a state as it was before a decision that took nothing.
@@ -889,7 +909,7 @@ impl Shard {
         if let Some(entry) = self.find(check, hash) {
             let taken = entry.state.commit(now, quota, check.cost);
             entry.expires_at = entry.state.expires_at(quota);
-            entry.used = used;
+            *entry.used.get_mut() = used;
             return taken;
         }
         if may_sweep && self.table.len() >= self.next_sweep {
@@ -925,7 +945,7 @@ impl Shard {
         let entry = self.find(check, hash)?;
         let out = f(&mut entry.state);
         entry.expires_at = entry.state.expires_at(quota);
-        entry.used = used_share(&peek(&mut entry.state, now, quota), quota);
+        *entry.used.get_mut() = used_share(&peek(&mut entry.state, now, quota), quota);
         Some(out)
     }
 
@@ -938,7 +958,7 @@ impl Shard {
                 key: check.key.clone(),
                 state,
                 expires_at,
-                used,
+                used: AtomicU16::new(used),
             },
             |e| hasher.hash_one((e.rule, e.key.as_bytes())),
         );
@@ -955,7 +975,7 @@ impl Shard {
             let mut evictable: Vec<u16> = self
                 .table
                 .iter()
-                .map(|e| e.used)
+                .map(|e| e.used.load(Ordering::Relaxed))
                 .filter(|&u| u <= EVICTABLE)
                 .collect();
             let drop = wanted.min(evictable.len());
@@ -965,9 +985,10 @@ impl Shard {
                 let below = evictable.iter().filter(|&&u| u < threshold).count();
                 let mut at_threshold = drop - below;
                 self.table.retain(|e| {
-                    if e.used < threshold {
+                    let used = *e.used.get_mut();
+                    if used < threshold {
                         false
-                    } else if e.used == threshold && at_threshold > 0 {
+                    } else if used == threshold && at_threshold > 0 {
                         at_threshold -= 1;
                         false
                     } else {
@@ -1381,7 +1402,7 @@ mod tests {
                 key: key.clone(),
                 state: State::new(quota),
                 expires_at: 0,
-                used: 0,
+                used: AtomicU16::new(0),
             };
             let (mut t, mut latest) = (T0, T0);
             let (mut refused_before, mut shared) = (false, 0);
@@ -1846,6 +1867,47 @@ mod tests {
             Quota::per_hour(10).algorithm(algorithm).build().unwrap(),
         )
         .unwrap()
+    }
+
+    /// A key refused under a quota lowered since its last write has used that quota whole:
+    /// a spray of keys must not evict it as one that used little (4 of the old 10), which
+    /// would give it the new limit again in the same hour. Refused on either path, the
+    /// exclusive lock's or the shared one's (the shard's last refusal allows the second).
+    #[test]
+    fn a_key_refused_under_a_lowered_quota_is_not_evicted_as_barely_used() {
+        for shared_lock in [false, true] {
+            let clock = ManualClock::new(1_735_689_600_000_000);
+            let s = store(&clock, 16);
+            let before = ten_an_hour(Algorithm::FixedWindow);
+            let lowered = Rule::new(
+                "r",
+                Quota::per_hour(2)
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap();
+            let k = Key::new("k");
+            assert!(s.apply_now(Op::Consume, &one(&before, &k, 4))[0].allowed);
+            if shared_lock {
+                // Another key's refusal on the exclusive path: the shard refuses under the
+                // shared lock from then on.
+                let other = Key::new("other");
+                s.apply_now(Op::Consume, &one(&before, &other, 10));
+                assert!(!s.apply_now(Op::Consume, &one(&before, &other, 1))[0].allowed);
+            }
+            assert!(!s.apply_now(Op::Consume, &one(&lowered, &k, 1))[0].allowed);
+            clock.advance(Duration::from_millis(1));
+            let short = rule("short", Algorithm::FixedWindow, 10);
+            for i in 0..16u32 {
+                s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 6));
+            }
+            clock.advance(Duration::from_secs(1));
+            assert!(
+                !s.apply_now(Op::Consume, &one(&lowered, &k, 1))[0].allowed,
+                "shared lock: {shared_lock}: evicted, and given the new limit again"
+            );
+        }
     }
 
     #[test]
