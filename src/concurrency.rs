@@ -381,9 +381,14 @@ fn release_later(limiter: Arc<Inner>, key: Key, id: u64) {
             runtime.spawn(async move { release(&limiter, &key, id).await });
         }
         Err(_) => {
-            let mut release = std::pin::pin!(release(&limiter, &key, id));
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if std::future::Future::poll(release.as_mut(), &mut cx).is_pending() {
+            // Only an in-process store can be asked here: another's future needs a runtime
+            // (its timeouts would panic, in a `Drop` that may run while unwinding).
+            let (name, ttl) = (&limiter.name, limiter.ttl);
+            let released =
+                limiter
+                    .store
+                    .slots_in_process(SlotOp::Release, name, &key, id, limiter.limit, ttl);
+            if released.is_none() {
                 tracing::debug!("fleetlimit: a slot dropped outside a runtime expires by itself");
             }
         }

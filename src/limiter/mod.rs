@@ -499,11 +499,10 @@ impl Limiter {
         loop {
             // A refusal waited out is not counted as a request's (in the metrics, the heavy
             // hitters and the penalty box): the caller waits its turn, it does not hammer.
-            let decisions = self
-                .apply_counted(Op::Consume, &targets, Counted::UnlessWaitedOut(give_up))
-                .await?;
-            let decision = most_restrictive(decisions)?;
+            let (decisions, deadline) = self.apply_uncounted(Op::Consume, &targets).await?;
+            let decision = most_restrictive(decisions.clone())?;
             let Some(wake) = waiting::wake(&decision, give_up) else {
+                self.count_request(&targets, &decisions, deadline).await;
                 return Ok(decision);
             };
             turn.sleep_until(wake).await;
@@ -819,7 +818,7 @@ impl Limiter {
         op: Op,
         targets: &Targets,
     ) -> Result<Vec<Decision>, Error> {
-        self.apply_counted(op, targets, Counted::Request).await
+        self.apply_counted(op, targets, true).await
     }
 
     /// Charge what a settled cost found beyond its reservation, after the response. Not a
@@ -827,17 +826,46 @@ impl Limiter {
     /// served, not a client coming back while refused, so it feeds neither the decision
     /// metrics, the heavy hitters nor the penalty box.
     pub(crate) async fn charge_settled(&self, targets: &Targets) -> Result<Vec<Decision>, Error> {
-        self.apply_counted(Op::Consume, targets, Counted::Not).await
+        self.apply_counted(Op::Consume, targets, false).await
     }
 
-    /// [`apply_indexed`](Limiter::apply_indexed), a consume's decisions counted as `counted`
-    /// says.
+    /// [`apply_indexed`](Limiter::apply_indexed); `as_request`: a consume's decisions are a
+    /// request's, and counted as such.
     async fn apply_counted(
         &self,
         op: Op,
         targets: &Targets,
-        counted: Counted,
+        as_request: bool,
     ) -> Result<Vec<Decision>, Error> {
+        let (decisions, deadline) = self.apply_uncounted(op, targets).await?;
+        if op == Op::Consume && as_request {
+            self.count_request(targets, &decisions, deadline).await;
+        }
+        Ok(decisions)
+    }
+
+    /// Count a consume's decisions as a request's: in the decision metrics and the heavy
+    /// hitters, and its refusals in the penalty box (whose blocks are set within `deadline`,
+    /// the request's).
+    async fn count_request(
+        &self,
+        targets: &Targets,
+        decisions: &[Decision],
+        deadline: Option<Deadline>,
+    ) {
+        self.inner.record(targets, decisions);
+        for (key, block) in self.inner.earned(targets, decisions) {
+            self.inner.penalise_within(key, block, deadline).await;
+        }
+    }
+
+    /// [`apply_indexed`](Limiter::apply_indexed), not counted as anything yet; with the
+    /// request's deadline (`None` for a store that cannot fail).
+    async fn apply_uncounted(
+        &self,
+        op: Op,
+        targets: &Targets,
+    ) -> Result<(Vec<Decision>, Option<Deadline>), Error> {
         for (i, target) in targets.iter().enumerate() {
             if target.cost == 0 {
                 return Err(Error::InvalidCost(0));
@@ -852,7 +880,7 @@ impl Limiter {
             }
         }
         if targets.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), None));
         }
         let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
         let rules = self.inner.rules.load_full();
@@ -867,22 +895,7 @@ impl Limiter {
             .then(|| Deadline::after(self.inner.deadline));
         let decisions = self.inner.decide(op, &checks, deadline).await?;
         self.inner.trace(targets, &decisions, started);
-        let as_request = match counted {
-            Counted::Request => true,
-            Counted::Not => false,
-            Counted::UnlessWaitedOut(give_up) => decisions
-                .iter()
-                .cloned()
-                .reduce(Decision::more_restrictive)
-                .is_none_or(|d| waiting::wake(&d, give_up).is_none()),
-        };
-        if op == Op::Consume && as_request {
-            self.inner.record(targets, &decisions);
-            for (key, block) in self.inner.earned(targets, &decisions) {
-                self.inner.penalise_within(key, block, deadline).await;
-            }
-        }
-        Ok(decisions)
+        Ok((decisions, deadline))
     }
 
     fn every_rule(&self, key: &Key, cost: u64) -> smallvec::SmallVec<[Target; 2]> {
@@ -983,18 +996,6 @@ fn effective<'a>(rule: &'a Rule, overrides: &'a Overrides, target: &'a Target) -
 }
 
 /// The decision that governs: a denial over an admission, then the longer wait.
-/// How a consume's decisions are counted.
-#[derive(Clone, Copy)]
-enum Counted {
-    /// As a request's: in the decision metrics, the heavy hitters and the penalty box.
-    Request,
-    /// Not at all: a cost settled after the response.
-    Not,
-    /// As a request's, unless [`until_ready`](Limiter::until_ready) waits the refusal out
-    /// before this time.
-    UnlessWaitedOut(tokio::time::Instant),
-}
-
 fn most_restrictive(decisions: Vec<Decision>) -> Result<Decision, Error> {
     decisions
         .into_iter()

@@ -42,13 +42,22 @@ pub(crate) struct Lines {
 }
 
 /// One key's line.
-#[derive(Default)]
 struct Line {
     /// Whose turn it is: tokio's mutex is fair, so turns come in order of asking.
     turn: tokio::sync::Mutex<()>,
     /// Until when the caller whose turn it is sleeps, if it does: nobody behind it is served
     /// before then.
     head_wakes: tokio::sync::watch::Sender<Option<tokio::time::Instant>>,
+}
+
+impl Default for Line {
+    fn default() -> Line {
+        Line {
+            turn: tokio::sync::Mutex::new(()),
+            // `watch::Sender::default` needs tokio 1.39; this crate asks for any 1.x.
+            head_wakes: tokio::sync::watch::channel(None).0,
+        }
+    }
 }
 
 /// A place in a key's line; leaving it (dropping it, or the future holding it) lets the next one

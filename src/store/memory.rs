@@ -1172,6 +1172,18 @@ impl Store for MemoryStore {
         Some(self.check(op, check))
     }
 
+    fn slots_in_process(
+        &self,
+        op: SlotOp,
+        name: &str,
+        key: &Key,
+        slot: u64,
+        limit: u64,
+        ttl: Duration,
+    ) -> Option<(bool, u64)> {
+        Some(self.slots_now(op, name, key, slot, limit, ttl))
+    }
+
     fn lease<'a>(
         &'a self,
         check: Check<'a>,

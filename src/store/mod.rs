@@ -223,6 +223,21 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
         None
     }
 
+    /// [`slots`](Store::slots) right now, without a future, when the store can (an in-process
+    /// store); `None` means "await `slots`".
+    #[doc(hidden)]
+    fn slots_in_process(
+        &self,
+        _op: SlotOp,
+        _name: &str,
+        _key: &Key,
+        _slot: u64,
+        _limit: u64,
+        _ttl: Duration,
+    ) -> Option<(bool, u64)> {
+        None
+    }
+
     /// [`apply_in_process`](Store::apply_in_process) for one check, without allocating.
     #[doc(hidden)]
     fn check_in_process(&self, _op: Op, _check: &Check<'_>) -> Option<Decision> {

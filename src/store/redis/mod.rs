@@ -70,8 +70,8 @@ const LISTING_SCRIPT: &str = include_str!("listing.lua");
 /// least 1 (a zero `PX` is an error), at most about 49 days.
 fn pause_ms(pause: Duration) -> u64 {
     pause
-        .as_micros()
-        .div_ceil(1000)
+        .as_nanos()
+        .div_ceil(1_000_000)
         .clamp(1, u128::from(u32::MAX)) as u64
 }
 
@@ -2109,6 +2109,11 @@ mod tests {
         assert_eq!(ms(1_999), 2);
         assert_eq!(ms(2_000), 2);
         assert_eq!(ms(2_001), 3);
+        assert_eq!(
+            pause_ms(Duration::new(0, 1_000_001)),
+            2,
+            "a nanosecond over counts"
+        );
         assert_eq!(ms(0), 1, "a zero PX is an error");
         assert_eq!(pause_ms(Duration::MAX), u64::from(u32::MAX));
     }
