@@ -60,8 +60,7 @@ async fn the_budget_counts_the_real_costs_and_is_never_passed() {
 }
 
 fn under_reserving(limiter: Limiter) -> Router {
-    // Reserves 10 (or what the client's `x-reserve` asks); the handler reports the real cost in
-    // the ActualCost extension.
+    // Reserves 10; the handler reports the real cost in the ActualCost extension.
     Router::new()
         .route(
             "/",
@@ -77,15 +76,7 @@ fn under_reserving(limiter: Limiter) -> Router {
                 .key(key::header("x-api-key"))
                 .scope(
                     "tokens",
-                    Scope::new()
-                        .cost(|parts| {
-                            parts
-                                .headers
-                                .get("x-reserve")
-                                .and_then(|v| v.to_str().ok()?.parse().ok())
-                                .unwrap_or(10)
-                        })
-                        .settle(Settle::extension()),
+                    Scope::new().cost(|_| 10).settle(Settle::extension()),
                 )
                 .build()
                 .unwrap(),
@@ -93,13 +84,8 @@ fn under_reserving(limiter: Limiter) -> Router {
 }
 
 async fn used(app: &Router, used: u64) -> StatusCode {
-    reserved_and_used(app, 10, used).await
-}
-
-async fn reserved_and_used(app: &Router, reserved: u64, used: u64) -> StatusCode {
     let req = Request::get("/")
         .header("x-api-key", "tenant")
-        .header("x-reserve", reserved.to_string())
         .header("x-used", used.to_string())
         .body(Body::empty())
         .unwrap();
@@ -150,11 +136,6 @@ async fn costs_above_the_reservation_are_charged_within_the_budget() {
         assert_eq!(used(&app, 100).await, StatusCode::OK);
         assert_eq!(left().await, 0, "{name}: the overrun drained the budget");
         assert_eq!(used(&app, 1).await, StatusCode::TOO_MANY_REQUESTS, "{name}");
-        // A reservation of 0 (a client's `max_tokens: 0`) still reserves 1, so that the real
-        // cost is settled: the rule is not skipped.
-        clock.advance(Duration::from_secs(60));
-        assert_eq!(reserved_and_used(&app, 0, 30).await, StatusCode::OK);
-        assert_eq!(left().await, 70, "{name}: 1 reserved + 29 settled");
     }
 }
 

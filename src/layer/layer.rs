@@ -121,13 +121,9 @@ impl Config {
                 (None, None) => *layer_cost
                     .get_or_insert_with(|| self.cost.as_ref().map_or(1, |cost| cost(parts))),
             };
-            let cost = match cost {
-                // A reservation is only an estimate: one of 0 (a client's `max_tokens: 0`)
-                // still reserves 1, so that the real cost is settled.
-                0 if scope.settle.is_some() => 1,
-                0 => continue, // this rule charges nothing for this request
-                cost => cost,
-            };
+            if cost == 0 {
+                continue; // this rule charges nothing for this request
+            }
             // A scope keyed by address misses its key only when the server records no peer
             // address: a misconfiguration, answered as the layer's own key would be (by
             // default 500, and an error logged), never a rule silently skipped for every

@@ -393,18 +393,22 @@ impl Scope {
     /// reservation is charged after the response, and when the budget cannot hold it whole,
     /// what is left is taken instead (logged; the key's next request is refused, and nothing
     /// ever passes the limit: reserve the most a request can cost for a hard budget). A
-    /// reservation of 0 reserves 1, so that the real cost is still settled. A response
-    /// without the real cost keeps the reservation, and a reservation never settled (the
-    /// process died) stays spent.
+    /// reservation of 0 leaves the request out of the rule, settling included (as any cost of
+    /// 0 does: an exempt route): when the reservation comes from the client, keep it at least 1
+    /// unless such a request really costs nothing. A response without the real cost keeps the
+    /// reservation, and a reservation never settled (the process died) stays spent.
     ///
     /// ```
     /// use fleetlimit::layer::{Scope, Settle};
     ///
     /// // LLM tokens: reserve the request's max_tokens, settle at the tokens generated.
+    /// // At least 1: a client's `x-max-tokens: 0` must not leave the request out of the rule
+    /// // (unless the handler then generates nothing).
     /// let tokens = Scope::new()
     ///     .cost(|parts| parts.headers.get("x-max-tokens")
     ///         .and_then(|v| v.to_str().ok()?.parse().ok())
-    ///         .unwrap_or(1_000))
+    ///         .unwrap_or(1_000u64)
+    ///         .max(1))
     ///     .settle(Settle::header("x-tokens-used"));
     /// # let _ = tokens;
     /// ```

@@ -453,16 +453,28 @@ async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
         else {
             continue;
         };
-        let mut charged = 0;
-        if left > 0 {
+        // What a refusal says is left may be stale (the denial cache answered it) or taken
+        // meanwhile: a refusal of the rest says afresh (the cache answers only the cost it
+        // remembered), a few times at most.
+        let (mut left, mut charged) = (left, 0);
+        for _ in 0..3 {
+            if left == 0 {
+                break;
+            }
             let rest = crate::Target {
                 cost: left,
                 ..target.clone()
             };
-            if let Ok(d) = limiter.charge_settled(std::slice::from_ref(&rest)).await {
-                if d.iter().all(|d| d.allowed) {
+            let Ok(d) = limiter.charge_settled(std::slice::from_ref(&rest)).await else {
+                break;
+            };
+            match d.into_iter().find(|d| !d.allowed) {
+                None => {
                     charged = left;
+                    break;
                 }
+                Some(d) if !d.degraded && !d.listed.is_listed() => left = d.remaining,
+                Some(_) => break,
             }
         }
         tracing::warn!(
@@ -599,5 +611,52 @@ mod tests {
         assert_eq!(grpc.status(), StatusCode::OK, "trailers-only");
         assert_eq!(grpc.headers()["grpc-status"], "14");
         assert_eq!(grpc.headers()["content-type"], "application/grpc");
+    }
+
+    /// An overrun that does not fit drains what is left, even when the denial cache answers
+    /// its charge with what was left a moment ago: the store's own refusal of the rest says
+    /// what is left now.
+    #[tokio::test(start_paused = true)]
+    async fn an_overrun_drains_what_is_left_now_not_what_a_remembered_refusal_says() {
+        use crate::{Algorithm, Key, Limiter, ManualClock, MemoryStore, OnStoreError, Quota, Rule};
+        use std::time::Duration;
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::ZERO,
+            reply_after: Duration::ZERO,
+            lost_renewals: Default::default(),
+        };
+        let quota = Quota::per_second(100)
+            .algorithm(Algorithm::TokenBucket)
+            .build()
+            .unwrap();
+        let limiter = Limiter::builder(link)
+            .rule(Rule::new("tokens", quota).unwrap())
+            .on_store_error(OnStoreError::fail_closed())
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let key = Key::new("tenant");
+        let overrun = crate::Target {
+            rule: 0,
+            key: key.clone(),
+            cost: 100,
+            resolved: None,
+        };
+        assert!(limiter.consume(&key, 10).await.unwrap().allowed);
+        // 100 more do not fit in the 90 left: refused (and remembered), the 90 taken.
+        charge_extra(&limiter, std::slice::from_ref(&overrun)).await;
+        assert_eq!(limiter.peek(&key).await.unwrap().remaining, 0);
+        // 50 ms later, 5 have come back; the same overrun is refused from memory, which says 90.
+        clock.advance(Duration::from_millis(50));
+        assert_eq!(limiter.peek(&key).await.unwrap().remaining, 5);
+        charge_extra(&limiter, std::slice::from_ref(&overrun)).await;
+        assert_eq!(
+            limiter.peek(&key).await.unwrap().remaining,
+            0,
+            "the 5 taken"
+        );
     }
 }
