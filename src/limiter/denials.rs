@@ -245,6 +245,13 @@ impl DenialCache {
         }
     }
 
+    /// Forget the denial remembered for `key` under its rule, if any (permits went back to it).
+    /// A denial asked before and answered after may still come in: as after an admission, the
+    /// cache is at most that call's answer behind.
+    pub(crate) fn lift(&self, key: &SlotKey) {
+        self.shard(key).remove(key);
+    }
+
     /// Forget every remembered denial (the quotas changed).
     pub(crate) fn clear(&self) {
         for (shard, generation) in self.shards.iter().zip(self.generations.iter()) {

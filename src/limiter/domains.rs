@@ -172,13 +172,16 @@ impl Inner {
         all
     }
 
-    /// Permits went back to these refunds' keys: a denial remembered for them may be wrong
-    /// now, and is forgotten. (Only once given: forgotten in an outage, a refusal would be left
-    /// to the policy, which may admit.)
+    /// Permits went back to these refunds' keys: a denial remembered for one under the same
+    /// rule may be wrong now, and is lifted. (Only once given: lifted in an outage, a refusal
+    /// would be left to the policy, which may admit.)
     fn refunded(&self, refunds: &[Refund<'_>]) {
-        if let Some(denials) = &self.denials {
-            for r in refunds {
-                denials.forget(r.key);
+        let Some(denials) = self.denials.as_ref().filter(|c| !c.is_empty()) else {
+            return;
+        };
+        for r in refunds {
+            if let Some(index) = self.rule_index(r.rule) {
+                denials.lift(&(index, r.key.clone()));
             }
         }
     }
