@@ -109,6 +109,9 @@ struct WorkerState {
     /// when that last changed (µs since `epoch`) above them: a step is decided on both and taken
     /// in one compare-and-swap, so requests racing at an overload step once, not once each.
     shedding: AtomicU64,
+    /// When a request last found the worker at 80% of the target or more (µs since `epoch`,
+    /// to the millisecond): quiet, the time steps down count from, starts after it.
+    busy_at: AtomicU64,
     epoch: std::time::Instant,
     step_up: Duration,
     step_down: Duration,
@@ -122,6 +125,7 @@ impl WorkerUtilisation {
                 target,
                 in_flight: AtomicU64::new(0),
                 shedding: AtomicU64::new(0),
+                busy_at: AtomicU64::new(0),
                 epoch: std::time::Instant::now(),
                 step_up: Duration::from_millis(100),
                 step_down: Duration::from_secs(1),
@@ -145,6 +149,7 @@ impl WorkerUtilisation {
     /// Adjust the level to the load, and say whether `priority` goes on.
     fn admit(&self, priority: Priority) -> bool {
         let s = &self.state;
+        s.note_busy();
         let word = s.shedding.load(Ordering::Relaxed);
         let stepped = s.stepped(word);
         let level = (word & 0xff) as u8;
@@ -176,10 +181,27 @@ impl WorkerUtilisation {
 }
 
 impl WorkerState {
+    fn below_80_percent(&self) -> bool {
+        u128::from(self.in_flight.load(Ordering::Relaxed)) * 10 < u128::from(self.target) * 8
+    }
+
+    /// Record that the worker is busy now, if it is (written at most once a millisecond: every
+    /// request of an overload would otherwise write one line).
+    fn note_busy(&self) {
+        if self.below_80_percent() {
+            return;
+        }
+        let now = crate::algorithm::micros(self.epoch.elapsed());
+        if now >= self.busy_at.load(Ordering::Relaxed) + 1_000 {
+            self.busy_at.store(now, Ordering::Relaxed);
+        }
+    }
+
     /// The level-and-time word after the steps due now: one up per `step_up` at or over the
-    /// target; below 80% of it, one down per `step_down` since the last change, counted from
-    /// that change rather than from the next request (a worker that went idle at level 3 is
-    /// at 0 three seconds later, whenever its next request comes).
+    /// target; below 80% of it, one down per `step_down` of quiet: since the last change or the
+    /// last request that found the worker busy, whichever is later, whenever the next request
+    /// comes (a worker that went idle at level 3 is at 0 three seconds later; one held just
+    /// under its target by shedding is not quiet, however long ago its level changed).
     fn stepped(&self, word: u64) -> u64 {
         let now = crate::algorithm::micros(self.epoch.elapsed());
         let (level, changed_at) = ((word & 0xff) as u8, word >> 8);
@@ -191,9 +213,10 @@ impl WorkerState {
             && since >= crate::algorithm::micros(self.step_up)
         {
             (level + 1, now)
-        } else if u128::from(in_flight) * 10 < u128::from(self.target) * 8 {
-            let down = (since / step_down).min(u64::from(level));
-            (level - down as u8, changed_at + down * step_down)
+        } else if self.below_80_percent() {
+            let quiet_from = changed_at.max(self.busy_at.load(Ordering::Relaxed));
+            let down = (now.saturating_sub(quiet_from) / step_down).min(u64::from(level));
+            (level - down as u8, quiet_from + down * step_down)
         } else {
             (level, changed_at)
         };
@@ -598,6 +621,18 @@ mod tests {
             2_000_000,
             "the next step is due at 3 s, not 3.5 s"
         );
+
+        // Held just under its target by shedding for the whole minute since its level
+        // changed, then a request finds it below 80%: quiet for half a second, not a minute.
+        let held = worker_since(Duration::from_secs(60));
+        held.state.shedding.store(3, Ordering::Relaxed);
+        held.state.in_flight.store(9, Ordering::Relaxed);
+        assert!(!held.admit(Priority::Normal));
+        held.state.busy_at.store(59_500_000, Ordering::Relaxed);
+        held.state.in_flight.store(7, Ordering::Relaxed);
+        assert_eq!(held.level(), 3, "half a second of quiet steps nothing");
+        held.state.busy_at.store(57_500_000, Ordering::Relaxed);
+        assert_eq!(held.level(), 1, "two and a half seconds: two steps");
 
         // Still busy (at 80% of the target or more): no step down, however long ago.
         let busy = worker_since(Duration::from_secs(60));
