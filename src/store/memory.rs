@@ -807,6 +807,13 @@ impl Shard {
         let place = self.locate(check, hash, now, store.shard_capacity, may_sweep);
         let mut fresh = match place {
             Place::Fresh => self.fresh(check, now),
+            // A peek writes nothing, the rule's shared overflow state included: it reads a
+            // copy (a state the peek's quota fits, or a new one, never made for it).
+            Place::Overflow if op != Op::Consume => self
+                .overflow
+                .iter()
+                .find(|(r, state, _)| r == check.rule.shared_name() && state.fits(quota))
+                .map_or_else(|| State::new(quota), |(_, state, _)| state.clone()),
             _ => State::new(quota),
         };
         let state = match place {
@@ -816,7 +823,8 @@ impl Shard {
             },
             Place::Fresh => &mut fresh,
             Place::Overflow => match store.overflow {
-                Overflow::Shared => &mut self.overflow_state(check).1,
+                Overflow::Shared if op == Op::Consume => &mut self.overflow_state(check).1,
+                Overflow::Shared => &mut fresh,
                 Overflow::Refuse { retry_after } => {
                     let limit = quota.capacity();
                     let d = Decision::deny(limit, 0, retry_after, Some(retry_after));
@@ -1920,6 +1928,32 @@ mod tests {
                 "shared lock: {shared_lock}: evicted, and given the new limit again"
             );
         }
+    }
+
+    /// Keys sharing a full shard's overflow state: a peek under another quota of the rule (an
+    /// inspection under the rule's own, where a tenant's is decided per request) writes nothing
+    /// there either. Converted, the hour's count would move into a minute that ends, for every
+    /// key sharing the state.
+    #[test]
+    fn a_peek_converts_no_shared_overflow_state() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let fill = Rule::new("fill", Quota::per_hour(10).build().unwrap()).unwrap();
+        for i in 0..16u32 {
+            s.apply_now(Op::Consume, &one(&fill, &Key::new(i.to_be_bytes()), 10));
+        }
+        let hour = Rule::new("r", Quota::per_hour(50).build().unwrap()).unwrap();
+        let minute = Rule::new("r", Quota::per_minute(100).build().unwrap()).unwrap();
+        let k = Key::new("tenant");
+        assert!(s.apply_now(Op::Consume, &one(&hour, &k, 50))[0].allowed);
+        assert!(!s.apply_now(Op::Consume, &one(&hour, &k, 1))[0].allowed);
+        clock.advance(Duration::from_secs(60));
+        s.apply_now(Op::Peek, &one(&minute, &k, 1));
+        clock.advance(Duration::from_secs(70));
+        assert!(
+            !s.apply_now(Op::Consume, &one(&hour, &k, 1))[0].allowed,
+            "the hour's 50 are spent"
+        );
     }
 
     #[test]
