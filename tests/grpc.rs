@@ -67,3 +67,88 @@ async fn on_tonic_server_too() {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     server.abort();
 }
+
+/// Counting only failed logins over gRPC: a tonic handler's `Err(Status::unauthenticated(..))`
+/// travels as HTTP 200 with `grpc-status: 16`, and `refund_if(|s| s.is_success())` must read it
+/// as the 401 it stands for, not refund it as a success (every wrong password given back, and
+/// guessing unlimited). A call that succeeds is still refunded.
+#[tokio::test]
+async fn a_failed_grpc_call_is_judged_by_its_grpc_status() {
+    use axum::routing::post;
+    use fleetlimit::layer::Scope;
+    use fleetlimit::{Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
+
+    const LOGIN: &str = "/demo.Auth/Login";
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(Rule::new("logins", Quota::per_minute(2).build().unwrap()).unwrap())
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(limiter)
+        .scope("logins", Scope::new().refund_if(|s| s.is_success()))
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route(
+            LOGIN,
+            post(|| async {
+                // What tonic answers for a handler's `Err(Status)`: trailers only.
+                http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", "16")
+                    .header("grpc-message", "wrong password")
+                    .body(axum::body::Body::empty())
+                    .unwrap()
+            }),
+        )
+        .route(
+            grpc::METHOD,
+            post(|req: http::Request<axum::body::Body>| async move {
+                let mut echo = tonic::server::Grpc::new(grpc::RawCodec);
+                echo.unary(EchoOk, req).await
+            }),
+        )
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(grpc::serve(listener, app));
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    // Successes are given back: never limited.
+    for _ in 0..5 {
+        assert!(grpc::say(channel.clone(), "hi").await.is_ok());
+    }
+    let login = || async {
+        let mut client = tonic::client::Grpc::new(channel.clone());
+        client.ready().await.unwrap();
+        client
+            .unary::<_, bytes::Bytes, _>(
+                tonic::Request::new(bytes::Bytes::from_static(b"guess")),
+                http::uri::PathAndQuery::from_static(LOGIN),
+                grpc::RawCodec,
+            )
+            .await
+            .unwrap_err()
+    };
+    for _ in 0..2 {
+        assert_eq!(login().await.code(), Code::Unauthenticated);
+    }
+    let third = login().await;
+    assert_eq!(third.code(), Code::ResourceExhausted, "{third:?}");
+    server.abort();
+}
+
+/// Answers every call with its request: a success.
+#[derive(Clone, Copy)]
+struct EchoOk;
+
+impl tonic::server::UnaryService<bytes::Bytes> for EchoOk {
+    type Response = bytes::Bytes;
+    type Future = std::future::Ready<Result<tonic::Response<bytes::Bytes>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<bytes::Bytes>) -> Self::Future {
+        std::future::ready(Ok(tonic::Response::new(request.into_inner())))
+    }
+}

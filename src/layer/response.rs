@@ -60,6 +60,39 @@ pub(crate) fn is_grpc(parts: &http::request::Parts) -> bool {
             .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
+/// The outcome of a call as an HTTP status, for the functions that judge it (`refund_if`,
+/// `refund_status`): a gRPC call's error travels as HTTP 200 with a `grpc-status`, in the
+/// headers when the call failed before any message (a tonic handler's `Err(Status)`, a
+/// trailers-only response), and is read as the HTTP status the gRPC code stands for
+/// (`UNAUTHENTICATED` as 401, `INTERNAL` as 500, ...). A status in the trailers, after the
+/// messages, comes after the headers are sent and is not seen: such a call reads as 200.
+pub(crate) fn outcome_status<B>(response: &http::Response<B>, grpc: bool) -> StatusCode {
+    let status = response.status();
+    if !grpc || status != StatusCode::OK {
+        return status;
+    }
+    let code = response
+        .headers()
+        .get("grpc-status")
+        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse::<u32>().ok());
+    match code {
+        None | Some(0) => status,
+        Some(3 | 9 | 11) => StatusCode::BAD_REQUEST,
+        Some(16) => StatusCode::UNAUTHORIZED,
+        Some(7) => StatusCode::FORBIDDEN,
+        Some(5) => StatusCode::NOT_FOUND,
+        Some(6 | 10) => StatusCode::CONFLICT,
+        Some(8) => StatusCode::TOO_MANY_REQUESTS,
+        // CANCELLED: the client went away ("499 Client Closed Request").
+        Some(1) => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+        Some(12) => StatusCode::NOT_IMPLEMENTED,
+        Some(14) => StatusCode::SERVICE_UNAVAILABLE,
+        Some(4) => StatusCode::GATEWAY_TIMEOUT,
+        // UNKNOWN, INTERNAL, DATA_LOSS, and codes gRPC does not define.
+        Some(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
 /// The statuses of the denials that are not plain 429s.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Statuses {

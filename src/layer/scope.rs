@@ -437,7 +437,10 @@ impl Scope {
     /// Give the permits back when the response status satisfies `refund` (count only failed
     /// logins: `|s| s.is_success()`; do not count the service's own failures:
     /// `|s| s.is_server_error()`). The refund completes before the response is returned, and
-    /// the response's rate-limit headers count the permits as given back.
+    /// the response's rate-limit headers count the permits as given back. A gRPC call is judged
+    /// by its `grpc-status` as the HTTP status it stands for (`UNAUTHENTICATED` as 401,
+    /// `INTERNAL` as 500) when the call failed before any message (a tonic handler's
+    /// `Err(Status)`); a status sent in the trailers, after messages, is not seen (200).
     pub fn refund_if(
         mut self,
         refund: impl Fn(StatusCode) -> bool + Send + Sync + 'static,

@@ -281,7 +281,7 @@ impl Verdict {
         if !refused_inside && self.meter.is_none() && !after.refunds && !after.settles {
             return None; // no scope gives anything back for this response
         }
-        let status = response.status();
+        let status = super::response::outcome_status(response, self.grpc);
         let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         if !self.governing.allowed || self.would_deny || !counted {
             return None; // nothing was taken from the shared budget
