@@ -86,6 +86,45 @@ async fn consume(limiter: &Limiter, key: &str, n: usize) {
     }
 }
 
+/// A request whose body is charged by size as it is read (`cost_body` with `MeterBodyLayer`)
+/// is one decision, whatever its number of frames: the charges for its frames are not
+/// requests' decisions (a 4-frame upload counted as 4 requests, and a refusal mid-body fed the
+/// heavy hitters and the penalty box).
+#[tokio::test]
+async fn a_metered_body_is_one_decision() {
+    prometheus();
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(rule("m_upload_kib", 100))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(limiter.clone())
+        .key(key::header("x-api-key"))
+        .scope(
+            "m_upload_kib",
+            fleetlimit::layer::Scope::new().cost_body(1024),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            axum::routing::put(|body: bytes::Bytes| async move { body.len().to_string() }),
+        )
+        .layer(fleetlimit::layer::MeterBodyLayer)
+        .layer(layer);
+    let req = Request::put("/")
+        .header("x-api-key", "k")
+        .body(Body::new(support::Chunks(vec![vec![b'x'; 1024]; 4])))
+        .unwrap();
+    assert_eq!(app.oneshot(req).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        limiter.peek(&Key::new("k")).await.unwrap().remaining,
+        96,
+        "4 KiB charged"
+    );
+    assert_eq!(decisions("m_upload_kib", "allowed"), 1.0);
+}
+
 #[tokio::test]
 async fn a_known_traffic_pattern_gives_exact_counts() {
     prometheus();

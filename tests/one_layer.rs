@@ -466,28 +466,12 @@ async fn form_bodies_too_and_chunked_bodies_over_the_limit() {
     // A streamed body (no length) that grows past the limit.
     let mut req = Request::post("/login")
         .header("content-type", "application/x-www-form-urlencoded")
-        .body(Body::new(Chunks(vec![vec![b'a'; 20]; 10])))
+        .body(Body::new(support::Chunks(vec![vec![b'a'; 20]; 10])))
         .unwrap();
     req.extensions_mut()
         .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
     let r = app.clone().oneshot(req).await.unwrap();
     assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
-}
-
-/// A body streamed in chunks, with no declared length.
-struct Chunks(Vec<Vec<u8>>);
-
-impl http_body::Body for Chunks {
-    type Data = bytes::Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
-        let next = (!self.0.is_empty()).then(|| self.0.remove(0));
-        std::task::Poll::Ready(next.map(|c| Ok(http_body::Frame::data(bytes::Bytes::from(c)))))
-    }
 }
 
 fn metered_uploads(limiter: Limiter) -> Router {
@@ -514,7 +498,10 @@ fn metered_uploads(limiter: Limiter) -> Router {
 async fn put_chunks(app: &Router, chunks: usize) -> Response {
     let req = Request::put("/files/a")
         .header("x-api-key", "tenant-1")
-        .body(Body::new(Chunks(vec![vec![b'x'; KIB as usize]; chunks])))
+        .body(Body::new(support::Chunks(vec![
+            vec![b'x'; KIB as usize];
+            chunks
+        ])))
         .unwrap();
     app.clone().oneshot(req).await.unwrap()
 }

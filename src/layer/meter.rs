@@ -18,7 +18,7 @@ use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::store::{BoxFuture, Op};
+use crate::store::BoxFuture;
 use crate::{Decision, Error, Key, Limiter, Taken, Target};
 
 /// Errors a metered body yields: its own (boxed) or the rate limit's.
@@ -344,13 +344,13 @@ where
             if targets.is_empty() {
                 continue;
             }
-            let result = match meter.limiter.consume_now(&targets) {
+            let result = match meter.limiter.charge_after_now(&targets) {
                 Some(decisions) => Ok(decisions.into_vec()),
                 None => {
                     let limiter = meter.limiter.clone();
                     let owed = targets.clone();
                     let mut charge: BoxFuture<'static, _> =
-                        Box::pin(async move { limiter.apply_indexed(Op::Consume, &owed).await });
+                        Box::pin(async move { limiter.charge_after(&owed).await });
                     match charge.as_mut().poll(cx) {
                         Poll::Ready(result) => result,
                         Poll::Pending => {

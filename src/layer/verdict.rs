@@ -439,7 +439,7 @@ impl Drop for BodySettle {
 /// passes it): the key's next request is refused, rather than the overrun being forgiven.
 async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
     for target in extra {
-        let refused = match limiter.charge_settled(std::slice::from_ref(target)).await {
+        let refused = match limiter.charge_after(std::slice::from_ref(target)).await {
             Ok(d) => d.into_iter().find(|d| !d.allowed),
             Err(error) => {
                 tracing::warn!(%error, "fleetlimit: a settled cost could not be charged");
@@ -465,7 +465,7 @@ async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
                 cost: left,
                 ..target.clone()
             };
-            let Ok(d) = limiter.charge_settled(std::slice::from_ref(&rest)).await else {
+            let Ok(d) = limiter.charge_after(std::slice::from_ref(&rest)).await else {
                 break;
             };
             match d.into_iter().find(|d| !d.allowed) {

@@ -762,9 +762,29 @@ impl Limiter {
     /// Decide a consume right now, without a future: everything on an in-process store; on one
     /// that can fail, a single-rule consume a leased block or a remembered denial answers.
     /// `None` means "await [`apply_indexed`](Limiter::apply_indexed)".
+    #[inline]
     pub(crate) fn consume_now(
         &self,
         targets: &Targets,
+    ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
+        self.consume_now_counted(targets, true)
+    }
+
+    /// [`consume_now`](Limiter::consume_now) for a charge after the request's own decision
+    /// (see [`charge_after`](Limiter::charge_after)).
+    pub(crate) fn charge_after_now(
+        &self,
+        targets: &Targets,
+    ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
+        self.consume_now_counted(targets, false)
+    }
+
+    /// [`consume_now`](Limiter::consume_now); `as_request`: counted as a request's decisions.
+    #[inline]
+    fn consume_now_counted(
+        &self,
+        targets: &Targets,
+        as_request: bool,
     ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
         let inner = &self.inner;
         if targets.iter().any(|t| t.cost == 0) {
@@ -799,6 +819,9 @@ impl Limiter {
             _ => return None,
         };
         inner.trace(targets, &decisions, started);
+        if !as_request {
+            return Some(decisions);
+        }
         inner.record(targets, &decisions);
         for (key, block) in inner.earned(targets, &decisions) {
             // An in-process store answers at once: no future to await on this path.
@@ -821,11 +844,12 @@ impl Limiter {
         self.apply_counted(op, targets, true).await
     }
 
-    /// Charge what a settled cost found beyond its reservation, after the response. Not a
-    /// request's decision: a refusal here is the budget running out under a request already
-    /// served, not a client coming back while refused, so it feeds neither the decision
-    /// metrics, the heavy hitters nor the penalty box.
-    pub(crate) async fn charge_settled(&self, targets: &Targets) -> Result<Vec<Decision>, Error> {
+    /// Charge more for a request already decided: what a settled cost found beyond its
+    /// reservation after the response, a metered body's frames as they come. Not a request's
+    /// decision: it feeds neither the decision metrics (one request would count once per
+    /// frame), the heavy hitters nor the penalty box (a refusal here is the budget running out
+    /// under a request already admitted, not a client coming back while refused).
+    pub(crate) async fn charge_after(&self, targets: &Targets) -> Result<Vec<Decision>, Error> {
         self.apply_counted(Op::Consume, targets, false).await
     }
 

@@ -4,3 +4,20 @@
 #![allow(dead_code)]
 
 pub mod redis;
+
+/// A request body sent as these chunks, one frame each, with no declared length (as a chunked
+/// upload arrives).
+pub struct Chunks(pub Vec<Vec<u8>>);
+
+impl http_body::Body for Chunks {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        let next = (!self.0.is_empty()).then(|| self.0.remove(0));
+        std::task::Poll::Ready(next.map(|c| Ok(http_body::Frame::data(bytes::Bytes::from(c)))))
+    }
+}
