@@ -274,11 +274,8 @@ impl ScopeConfig {
             scope = scope.method(method);
         }
         if let Some(path) = &self.path {
-            if !path.starts_with('/') {
-                return Err(invalid(
-                    "scope.path",
-                    format!("{path:?} does not start with /"),
-                ));
+            if let Some(reason) = crate::layer::path_error(path) {
+                return Err(invalid("scope.path", format!("{path:?}: {reason}")));
             }
             scope = scope.path(path);
         }
@@ -318,6 +315,12 @@ impl ScopeConfig {
             ));
         }
         if let Some(cost) = self.cost {
+            if cost == 0 {
+                return Err(invalid(
+                    "scope.cost",
+                    "a cost of 0 leaves every request out of the rule; remove the scope".into(),
+                ));
+            }
             scope = scope.cost(move |_| cost);
         }
         if let Some(unit) = self.cost_body {

@@ -366,6 +366,9 @@ impl RateLimitLayerBuilder {
         for settle in self.config.scopes.iter().filter_map(|s| s.settle.as_ref()) {
             settle.check()?;
         }
+        for path in self.config.scopes.iter().filter_map(|s| s.path.as_ref()) {
+            path.check()?;
+        }
         if self.config.scopes.iter().any(|s| s.body_unit == Some(0)) {
             return Err(ConfigError::Invalid {
                 setting: "Scope::cost_body",

@@ -159,6 +159,51 @@ pub(crate) enum PathMatch {
         source: String,
         segments: Vec<Segment>,
     },
+    /// A path that is none of these (an unclosed brace, `{*rest}` before the end, a query):
+    /// never matched, and an error when the layer is built.
+    Invalid {
+        source: String,
+        reason: &'static str,
+    },
+}
+
+/// Why `path` is not a path a scope can match (see [`Scope::route`]), if it is not: taken, it
+/// would silently match nothing (`/users/{id`, `/login?x=1`) or too much (`/files/{*rest}/meta`).
+pub(crate) fn path_error(path: &str) -> Option<&'static str> {
+    if !path.starts_with('/') {
+        return Some("a path must start with /");
+    }
+    if path.contains(['?', '#']) {
+        return Some("a path has no query or fragment: the query is never part of it");
+    }
+    let body = path.strip_suffix("/*").unwrap_or(path);
+    let prefix = body.len() < path.len();
+    let segments: Vec<&str> = body.split('/').skip(1).collect();
+    for (i, segment) in segments.iter().enumerate() {
+        let param = segment.strip_prefix('{').and_then(|s| s.strip_suffix('}'));
+        match param {
+            Some(name) => {
+                let name = name.strip_prefix('*').unwrap_or(name);
+                if name.is_empty() || name.contains(['{', '}', '*']) {
+                    return Some("a parameter is {name} or {*name}");
+                }
+                if prefix {
+                    return Some("a path ending in /* is a plain prefix: write {*rest} instead");
+                }
+                if segment.starts_with("{*") && i + 1 != segments.len() {
+                    return Some("{*rest} matches to the end: nothing can follow it");
+                }
+            }
+            None if segment.contains(['{', '}']) => {
+                return Some("a parameter is a whole segment, {name} or {*name}");
+            }
+            None if segment.contains('*') => {
+                return Some("* only ends a path, as /*");
+            }
+            None => {}
+        }
+    }
+    None
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -172,6 +217,12 @@ pub(crate) enum Segment {
 
 impl PathMatch {
     fn parse(path: &str) -> PathMatch {
+        if let Some(reason) = path_error(path) {
+            return PathMatch::Invalid {
+                source: path.to_owned(),
+                reason,
+            };
+        }
         if let Some(prefix) = path.strip_suffix("/*") {
             return PathMatch::Prefix(prefix.to_owned());
         }
@@ -209,6 +260,18 @@ impl PathMatch {
             PathMatch::Pattern { source, segments } => {
                 matched_path(parts) == Some(source.as_str()) || matches_segments(segments, path)
             }
+            PathMatch::Invalid { .. } => false,
+        }
+    }
+
+    /// The error a path that cannot be matched is, when the layer is built.
+    pub(crate) fn check(&self) -> Result<(), crate::ConfigError> {
+        match self {
+            PathMatch::Invalid { source, reason } => Err(crate::ConfigError::Invalid {
+                setting: "Scope::route",
+                reason: format!("{source:?}: {reason}"),
+            }),
+            _ => Ok(()),
         }
     }
 }
@@ -278,7 +341,9 @@ impl Scope {
     /// [`method`](Scope::method)). Paths as axum writes routes: `/users/{id}` matches one
     /// segment in place of `{id}`, `/files/{*rest}` one or more to the end, and a path ending
     /// in `/*` matches everything under it (`/api/*` matches `/api` and `/api/users/7`); any
-    /// other path matches exactly (the query is never part of it). Inside an axum `Router`
+    /// other path matches exactly (the query is never part of it). A path that could not match
+    /// as written (an unclosed brace, `{*rest}` before the end, a query, `*` mid-path) is an
+    /// error when the layer is built. Inside an axum `Router`
     /// the pattern also matches when it is the route axum matched (`MatchedPath`), so nested
     /// routers can name their full routes. `GET` also matches `HEAD` (axum's `get()` serves
     /// HEAD with the GET handler, so a HEAD request must not go around a GET limit).
@@ -464,6 +529,48 @@ impl Scope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Paths a scope cannot match as written are errors when the layer is built, never a rule
+    /// that silently matches nothing or too much; axum's route syntax stays valid.
+    #[test]
+    fn paths_that_cannot_match_as_written_are_errors() {
+        for good in [
+            "/",
+            "/login",
+            "/users/{id}",
+            "/files/{*rest}",
+            "/api/*",
+            "/*",
+            "/a/{b}/c",
+        ] {
+            assert_eq!(path_error(good), None, "{good}");
+            assert!(PathMatch::parse(good).check().is_ok(), "{good}");
+        }
+        for bad in [
+            "login",
+            "/users/{id",
+            "/users/id}",
+            "/users/{}",
+            "/v{ver}/x",
+            "/files/{*rest}/meta",
+            "/login?x=1",
+            "/a#b",
+            "/api/*/v1",
+            "/users/{id}/*",
+        ] {
+            assert!(path_error(bad).is_some(), "{bad}");
+            let error = PathMatch::parse(bad).check().unwrap_err().to_string();
+            assert!(error.contains(bad), "{error}");
+            let limiter = crate::Limiter::builder(crate::MemoryStore::new())
+                .rule(crate::Rule::new("r", crate::Quota::per_second(1).build().unwrap()).unwrap())
+                .build()
+                .unwrap();
+            let layer = crate::RateLimitLayer::builder(limiter)
+                .scope("r", Scope::new().route(Method::GET, bad))
+                .build();
+            assert!(layer.is_err(), "{bad}");
+        }
+    }
 
     fn parts(method: Method, path: &str) -> Parts {
         http::Request::builder()
