@@ -1085,11 +1085,16 @@ impl Reloader {
         } else {
             let limiter = build_limiter(&self.store, rules, &self.options)?;
             let layer = build_layer(limiter.clone(), set, &self.options)?;
-            self.active.store(Arc::new(Active {
+            let replaced = self.active.swap(Arc::new(Active {
                 limiter,
                 layer,
                 scopes: set.scopes.clone(),
             }));
+            // The old limiter's leased blocks go back to the store: dropped with it, they
+            // would stay out of the count until their windows end.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move { replaced.limiter.release_leases().await });
+            }
         }
         if scopes_changed {
             tracing::info!("rules file: scopes changed");
