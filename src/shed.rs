@@ -193,7 +193,8 @@ impl WorkerState {
         }
         let now = crate::algorithm::micros(self.epoch.elapsed());
         if now >= self.busy_at.load(Ordering::Relaxed) + 1_000 {
-            self.busy_at.store(now, Ordering::Relaxed);
+            // Never backwards: a request that read the clock before another's store is older.
+            self.busy_at.fetch_max(now, Ordering::Relaxed);
         }
     }
 

@@ -532,7 +532,7 @@ scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "20
             ("path = \"login\"", "start with /"),
             // Taken as they are, these would match nothing, or too much, without a word.
             ("path = \"/users/{id\"", "parameter"),
-            ("path = \"/v{ver}/x\"", "whole segment"),
+            ("path = \"/{a}{b}\"", "one parameter per segment"),
             ("path = \"/files/{*rest}/meta\"", "nothing can follow"),
             ("path = \"/login?x=1\"", "query"),
             ("path = \"/api/*/v1\"", "only ends"),

@@ -111,7 +111,16 @@ impl BufferBodyLayer {
 
     /// Only requests with this method and path ([`Scope::route`]'s syntax), whatever their
     /// content type.
+    ///
+    /// # Panics
+    ///
+    /// On a path that could not match as written (`/users/{id`, `/files/{*rest}/meta`), as
+    /// axum's `Router::route` does: this layer has no build step to return the error from, and
+    /// taken, the path would buffer nothing, and a rule keyed on the body would be skipped.
     pub fn route(self, method: Method, path: &str) -> Self {
+        if let Some(reason) = super::scope::path_error(path) {
+            panic!("BufferBodyLayer::route: {path:?}: {reason}");
+        }
         self.only(|scope| scope.route(method, path))
     }
 
@@ -242,4 +251,14 @@ fn refused<B>(status: StatusCode, error: &str) -> Response<ResponseBody<B>> {
     );
     response.extensions_mut().insert(Refused);
     response.map(ResponseBody::full)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Taken, the path would buffer nothing, and a rule keyed on the body would be skipped.
+    #[test]
+    #[should_panic(expected = "nothing can follow it")]
+    fn a_route_that_could_not_match_is_refused_at_once() {
+        let _ = super::BufferBodyLayer::new(1024).route(http::Method::POST, "/files/{*rest}/meta");
+    }
 }

@@ -25,6 +25,7 @@ pub use headers::HeaderStyle;
 pub use layer::{MissingKey, RateLimitLayer, RateLimitLayerBuilder};
 pub use meter::{BodyRateLimited, MeterBody, MeterBodyLayer, MeteredBody};
 pub use response::{Denial, DenialFn};
+#[cfg(feature = "serde")]
 pub(crate) use scope::path_error;
 pub use scope::{ActualCost, Scope, Settle};
 pub use service::RateLimitService;

@@ -71,12 +71,16 @@ pub(crate) fn outcome_status<B>(response: &http::Response<B>, grpc: bool) -> Sta
     if !grpc || status != StatusCode::OK {
         return status;
     }
-    let code = response
-        .headers()
-        .get("grpc-status")
-        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse::<u32>().ok());
+    let Some(code) = response.headers().get("grpc-status") else {
+        return status;
+    };
+    // A status that does not read as a code is UNKNOWN to a gRPC client: a failure.
+    let code = std::str::from_utf8(code.as_bytes())
+        .ok()
+        .and_then(|c| c.parse::<u32>().ok());
     match code {
-        None | Some(0) => status,
+        Some(0) => status,
+        None => StatusCode::INTERNAL_SERVER_ERROR,
         Some(3 | 9 | 11) => StatusCode::BAD_REQUEST,
         Some(16) => StatusCode::UNAUTHORIZED,
         Some(7) => StatusCode::FORBIDDEN,
@@ -233,6 +237,40 @@ pub(crate) fn json(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// How `refund_if` sees a call's outcome: a gRPC error status in the headers as the HTTP
+    /// status it stands for, one that does not read as a code as a failure (a gRPC client takes
+    /// it for UNKNOWN), anything else as the HTTP status.
+    #[test]
+    fn a_grpc_status_reads_as_the_http_status_it_stands_for() {
+        let answer = |status: u16, grpc_status: Option<&str>| {
+            let mut r = http::Response::builder().status(status);
+            if let Some(code) = grpc_status {
+                r = r.header("grpc-status", code);
+            }
+            r.body(()).unwrap()
+        };
+        let grpc = |status, code| outcome_status(&answer(status, code), true);
+        assert_eq!(grpc(200, None), StatusCode::OK);
+        assert_eq!(grpc(200, Some("0")), StatusCode::OK);
+        assert_eq!(grpc(200, Some("16")), StatusCode::UNAUTHORIZED);
+        assert_eq!(grpc(200, Some("7")), StatusCode::FORBIDDEN);
+        assert_eq!(grpc(200, Some("8")), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(grpc(200, Some("13")), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(grpc(200, Some("14")), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(grpc(200, Some(" 16")), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            grpc(200, Some("99999999999")),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        assert_eq!(
+            grpc(503, Some("0")),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "HTTP's own"
+        );
+        let http = outcome_status(&answer(200, Some("16")), false);
+        assert_eq!(http, StatusCode::OK, "not a gRPC call");
+    }
 
     const STATUSES: Statuses = Statuses {
         unavailable: StatusCode::SERVICE_UNAVAILABLE,

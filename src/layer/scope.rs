@@ -169,80 +169,150 @@ pub(crate) enum PathMatch {
 
 /// Why `path` is not a path a scope can match (see [`Scope::route`]), if it is not: taken, it
 /// would silently match nothing (`/users/{id`, `/login?x=1`) or too much (`/files/{*rest}/meta`).
+#[cfg(any(feature = "body", feature = "serde"))]
 pub(crate) fn path_error(path: &str) -> Option<&'static str> {
+    parse_pattern(path).err()
+}
+
+/// A path in axum's route syntax, segment by segment (`/*` at the end: a plain prefix), or why
+/// it is not one.
+fn parse_pattern(path: &str) -> Result<Vec<Segment>, &'static str> {
     if !path.starts_with('/') {
-        return Some("a path must start with /");
+        return Err("a path must start with /");
     }
     if path.contains(['?', '#']) {
-        return Some("a path has no query or fragment: the query is never part of it");
+        return Err("a path has no query or fragment: the query is never part of it");
     }
-    let body = path.strip_suffix("/*").unwrap_or(path);
-    let prefix = body.len() < path.len();
-    let segments: Vec<&str> = body.split('/').skip(1).collect();
-    for (i, segment) in segments.iter().enumerate() {
-        let param = segment.strip_prefix('{').and_then(|s| s.strip_suffix('}'));
-        match param {
-            Some(name) => {
-                let name = name.strip_prefix('*').unwrap_or(name);
-                if name.is_empty() || name.contains(['{', '}', '*']) {
-                    return Some("a parameter is {name} or {*name}");
-                }
-                if prefix {
-                    return Some("a path ending in /* is a plain prefix: write {*rest} instead");
-                }
-                if segment.starts_with("{*") && i + 1 != segments.len() {
-                    return Some("{*rest} matches to the end: nothing can follow it");
-                }
+    let (body, prefix) = match path.strip_suffix("/*") {
+        Some(body) => (body, true),
+        None => (path, false),
+    };
+    let raw: Vec<&str> = body.split('/').skip(1).collect();
+    let mut segments = Vec::with_capacity(raw.len());
+    for (i, text) in raw.iter().enumerate() {
+        if text.starts_with('*') {
+            // axum 0.8 refuses its old wildcard syntax, `/*rest`.
+            return Err("* only ends a path, as /*; a wildcard is {*rest}");
+        }
+        let segment = parse_segment(text)?;
+        match &segment {
+            Segment::Literal(_) => {}
+            _ if prefix => {
+                return Err("a path ending in /* is a plain prefix: write {*rest} instead");
             }
-            None if segment.contains(['{', '}']) => {
-                return Some("a parameter is a whole segment, {name} or {*name}");
+            Segment::Rest { .. } if i + 1 != raw.len() => {
+                return Err("{*rest} matches to the end: nothing can follow it");
             }
-            None if segment.contains('*') => {
-                return Some("* only ends a path, as /*");
+            _ => {}
+        }
+        segments.push(segment);
+    }
+    Ok(segments)
+}
+
+/// One segment: literal text (`{{` and `}}` are literal braces) around at most one parameter,
+/// `{name}`, or `{*name}` with nothing after it.
+fn parse_segment(text: &str) -> Result<Segment, &'static str> {
+    let (mut before, mut after) = (String::new(), String::new());
+    let mut param: Option<bool> = None; // Some(catch-all)
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        let out = if param.is_some() {
+            &mut after
+        } else {
+            &mut before
+        };
+        match c {
+            '{' if chars.peek() == Some(&'{') => {
+                chars.next();
+                out.push('{');
             }
-            None => {}
+            '}' if chars.peek() == Some(&'}') => {
+                chars.next();
+                out.push('}');
+            }
+            '{' => {
+                if param.is_some() {
+                    return Err("one parameter per segment");
+                }
+                let mut name = String::new();
+                loop {
+                    match chars.next() {
+                        Some('}') => break,
+                        Some('{') | None => return Err("a parameter is {name} or {*name}"),
+                        Some(c) => name.push(c),
+                    }
+                }
+                let catch_all = name.starts_with('*');
+                let name = name.strip_prefix('*').unwrap_or(&name);
+                if name.is_empty() || name.contains('*') {
+                    return Err("a parameter is {name} or {*name}");
+                }
+                param = Some(catch_all);
+            }
+            '}' => return Err("a } without its {: a literal brace is }}"),
+            c => out.push(c),
         }
     }
-    None
+    match param {
+        None => Ok(Segment::Literal(before)),
+        Some(false) => Ok(Segment::Param {
+            prefix: before,
+            suffix: after,
+        }),
+        Some(true) if after.is_empty() => Ok(Segment::Rest { prefix: before }),
+        Some(true) => Err("{*rest} matches to the end: nothing can follow it"),
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Segment {
     Literal(String),
-    /// `{name}`: exactly one non-empty segment.
-    Param,
-    /// `{*name}`: one or more segments, to the end.
-    Rest,
+    /// `{name}`, with literal text before or after it in the segment: a segment with that text
+    /// around a non-empty value.
+    Param {
+        prefix: String,
+        suffix: String,
+    },
+    /// `{*name}`, with literal text before it in the segment: the rest of the path, that text
+    /// then at least one character.
+    Rest {
+        prefix: String,
+    },
 }
 
 impl PathMatch {
     fn parse(path: &str) -> PathMatch {
-        if let Some(reason) = path_error(path) {
-            return PathMatch::Invalid {
+        let segments = match parse_pattern(path) {
+            Ok(segments) => segments,
+            Err(reason) => {
+                return PathMatch::Invalid {
+                    source: path.to_owned(),
+                    reason,
+                }
+            }
+        };
+        let literal = |segments: &[Segment]| {
+            let mut out = String::new();
+            for segment in segments {
+                let Segment::Literal(text) = segment else {
+                    return None;
+                };
+                out.push('/');
+                out.push_str(text);
+            }
+            Some(out)
+        };
+        if path.ends_with("/*") {
+            return PathMatch::Prefix(literal(&segments).unwrap_or_default());
+        }
+        match literal(&segments) {
+            // Escaped braces aside: axum's `MatchedPath` is the route as written.
+            Some(exact) if !path.contains(['{', '}']) => PathMatch::Exact(exact),
+            _ => PathMatch::Pattern {
                 source: path.to_owned(),
-                reason,
-            };
-        }
-        if let Some(prefix) = path.strip_suffix("/*") {
-            return PathMatch::Prefix(prefix.to_owned());
-        }
-        if !path.contains('{') {
-            return PathMatch::Exact(path.to_owned());
-        }
-        let segments = path
-            .split('/')
-            .skip(1)
-            .map(
-                |s| match s.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
-                    Some(name) if name.starts_with('*') => Segment::Rest,
-                    Some(_) => Segment::Param,
-                    None => Segment::Literal(s.to_owned()),
-                },
-            )
-            .collect();
-        PathMatch::Pattern {
-            source: path.to_owned(),
-            segments,
+                segments,
+            },
         }
     }
 
@@ -277,26 +347,39 @@ impl PathMatch {
 }
 
 fn matches_segments(pattern: &[Segment], path: &str) -> bool {
-    let Some(path) = path.strip_prefix('/') else {
+    let Some(mut rest) = path.strip_prefix('/') else {
         return false;
     };
-    let mut actual = path.split('/');
-    for segment in pattern {
-        match segment {
-            Segment::Rest => return actual.next().is_some_and(|s| !s.is_empty()),
-            Segment::Param => {
-                if actual.next().is_none_or(str::is_empty) {
-                    return false;
-                }
+    for (i, segment) in pattern.iter().enumerate() {
+        if let Segment::Rest { prefix } = segment {
+            return rest
+                .strip_prefix(prefix.as_str())
+                .is_some_and(|r| !r.is_empty());
+        }
+        let (actual, after) = match rest.split_once('/') {
+            Some((actual, after)) => (actual, Some(after)),
+            None => (rest, None),
+        };
+        let fits = match segment {
+            Segment::Literal(l) => actual == l,
+            Segment::Param { prefix, suffix } => {
+                actual.len() > prefix.len() + suffix.len()
+                    && actual.starts_with(prefix.as_str())
+                    && actual.ends_with(suffix.as_str())
             }
-            Segment::Literal(l) => {
-                if actual.next() != Some(l.as_str()) {
-                    return false;
-                }
-            }
+            Segment::Rest { .. } => false,
+        };
+        if !fits {
+            return false;
+        }
+        match after {
+            Some(after) if i + 1 < pattern.len() => rest = after,
+            // Segments left in the path, or in the pattern.
+            Some(_) => return false,
+            None => return i + 1 == pattern.len(),
         }
     }
-    actual.next().is_none()
+    false
 }
 
 /// The route axum matched, when the layer runs inside a `Router` (nested routers strip their
@@ -530,10 +613,44 @@ impl Scope {
 mod tests {
     use super::*;
 
+    /// Patterns match request paths as axum routes them, outside a `Router` too (where there
+    /// is no `MatchedPath` to compare).
+    #[test]
+    fn patterns_match_paths_as_axum_routes_them() {
+        let m = |pattern: &str, path: &str| {
+            PathMatch::parse(pattern).matches(&parts(Method::GET, path))
+        };
+        assert!(m("/users/{id}", "/users/7"));
+        assert!(!m("/users/{id}", "/users/"));
+        assert!(!m("/users/{id}", "/users/7/x"));
+        assert!(m("/user_{name}", "/user_bob"));
+        assert!(!m("/user_{name}", "/user_"));
+        assert!(!m("/user_{name}", "/users_bob"));
+        assert!(m("/file/{name}.json", "/file/a.json"));
+        assert!(!m("/file/{name}.json", "/file/.json"));
+        assert!(!m("/file/{name}.json", "/file/a.txt"));
+        assert!(m("/files/{*rest}", "/files/a/b/c"));
+        assert!(!m("/files/{*rest}", "/files/"));
+        assert!(!m("/files/{*rest}", "/files"));
+        assert!(m("/foo/bar{*c}", "/foo/barX/y"));
+        assert!(!m("/foo/bar{*c}", "/foo/bar"));
+        assert!(!m("/foo/bar{*c}", "/foo/baz/y"));
+        assert!(m("/a/{b}/c", "/a/x/c"));
+        assert!(!m("/a/{b}/c", "/a/x/d"));
+        assert!(!m("/a/{b}/c", "/a/x"));
+        assert!(m("/api/*", "/api"));
+        assert!(m("/api/*", "/api/users/7"));
+        assert!(!m("/api/*", "/apis"));
+        assert!(m("/login", "/login"));
+        assert!(!m("/login", "/login/"));
+    }
+
     /// Paths a scope cannot match as written are errors when the layer is built, never a rule
     /// that silently matches nothing or too much; axum's route syntax stays valid.
     #[test]
     fn paths_that_cannot_match_as_written_are_errors() {
+        // axum 0.8's syntax, as matchit reads it: a parameter with text around it in its
+        // segment, a catch-all after text, literal braces escaped.
         for good in [
             "/",
             "/login",
@@ -542,6 +659,12 @@ mod tests {
             "/api/*",
             "/*",
             "/a/{b}/c",
+            "/user_{name}",
+            "/v{ver}/x",
+            "/file/{name}.json",
+            "/foo/bar{*catchall}",
+            "/{{literal}}",
+            "/a*b",
         ] {
             assert_eq!(path_error(good), None, "{good}");
             assert!(PathMatch::parse(good).check().is_ok(), "{good}");
@@ -551,8 +674,9 @@ mod tests {
             "/users/{id",
             "/users/id}",
             "/users/{}",
-            "/v{ver}/x",
+            "/{a}{b}",
             "/files/{*rest}/meta",
+            "/files/{*rest}.txt",
             "/login?x=1",
             "/a#b",
             "/api/*/v1",

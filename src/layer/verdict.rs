@@ -10,7 +10,7 @@ use http::{Response, StatusCode};
 use super::layer::{Config, Targets};
 use super::meter::{BodyMeter, Meter, Stopped};
 use super::{response, RateLimitInfo};
-use crate::store::BoxFuture;
+use crate::store::{BoxFuture, Op};
 use crate::{Decision, Error, Source};
 
 pub(crate) type Decisions = smallvec::SmallVec<[Decision; 2]>;
@@ -439,49 +439,54 @@ impl Drop for BodySettle {
 /// passes it): the key's next request is refused, rather than the overrun being forgiven.
 async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
     for target in extra {
-        let refused = match limiter.charge_after(std::slice::from_ref(target)).await {
-            Ok(d) => d.into_iter().find(|d| !d.allowed),
-            Err(error) => {
-                tracing::warn!(%error, "fleetlimit: a settled cost could not be charged");
-                continue;
-            }
-        };
-        // A listing or the outage policy decided: there is no budget to take from.
-        let Some(left) = refused
-            .filter(|d| !d.degraded && !d.listed.is_listed())
-            .map(|d| d.remaining)
-        else {
-            continue;
-        };
-        // What a refusal says is left may be stale (the denial cache answered it) or taken
-        // meanwhile: a refusal of the rest says afresh (the cache answers only the cost it
-        // remembered), a few times at most.
-        let (mut left, mut charged) = (left, 0);
+        let mut charge = target.clone();
+        let mut charged = 0;
+        // A refusal says what is left, and the rest is charged; a few times at most, as another
+        // request may take it meanwhile.
         for _ in 0..3 {
-            if left == 0 {
-                break;
-            }
-            let rest = crate::Target {
-                cost: left,
-                ..target.clone()
-            };
-            let Ok(d) = limiter.charge_after(std::slice::from_ref(&rest)).await else {
-                break;
-            };
-            match d.into_iter().find(|d| !d.allowed) {
-                None => {
-                    charged = left;
+            let decisions = match limiter.charge_after(std::slice::from_ref(&charge)).await {
+                Ok(d) => d,
+                Err(error) => {
+                    tracing::warn!(%error, "fleetlimit: a settled cost could not be charged");
                     break;
                 }
-                Some(d) if !d.degraded && !d.listed.is_listed() => left = d.remaining,
-                Some(_) => break,
+            };
+            let Some(refused) = decisions.into_iter().find(|d| !d.allowed) else {
+                charged = charge.cost;
+                break;
+            };
+            // A listing or the outage policy decided: there is no budget to take from.
+            if refused.degraded || refused.listed.is_listed() {
+                break;
             }
+            // A remembered refusal says what was left when the store gave it: ask the store.
+            let left = if refused.source == Source::Cache {
+                let peek = crate::Target {
+                    cost: 1,
+                    ..target.clone()
+                };
+                match limiter
+                    .apply_indexed(Op::Peek, std::slice::from_ref(&peek))
+                    .await
+                {
+                    Ok(d) => d.first().map_or(0, |d| d.remaining),
+                    Err(_) => break,
+                }
+            } else {
+                refused.remaining
+            };
+            if left == 0 || left >= charge.cost {
+                break;
+            }
+            charge.cost = left;
         }
-        tracing::warn!(
-            cost = target.cost,
-            charged,
-            "fleetlimit: a settled cost exceeded its reservation and the budget left; what was left was charged"
-        );
+        if charged < target.cost {
+            tracing::warn!(
+                cost = target.cost,
+                charged,
+                "fleetlimit: a settled cost exceeded its reservation and the budget left; what was left was charged"
+            );
+        }
     }
 }
 
@@ -657,6 +662,17 @@ mod tests {
             limiter.peek(&key).await.unwrap().remaining,
             0,
             "the 5 taken"
+        );
+        // Refused at 0 (remembered: 0 left), then 600 ms later 60 have come back; the same
+        // overrun is refused from memory, which says 0.
+        charge_extra(&limiter, std::slice::from_ref(&overrun)).await;
+        clock.advance(Duration::from_millis(600));
+        assert_eq!(limiter.peek(&key).await.unwrap().remaining, 60);
+        charge_extra(&limiter, std::slice::from_ref(&overrun)).await;
+        assert_eq!(
+            limiter.peek(&key).await.unwrap().remaining,
+            0,
+            "the 60 taken"
         );
     }
 }

@@ -179,8 +179,14 @@ impl Inner {
         let Some(denials) = self.denials.as_ref().filter(|c| !c.is_empty()) else {
             return;
         };
+        let rules = self.rules.load();
         for r in refunds {
-            if let Some(index) = self.rule_index(r.rule) {
+            // By name and quota, not by address: a refund given in the background holds a
+            // copy of its rule. (An override's quota is no rule's: nothing is remembered for it.)
+            let rule = rules
+                .iter()
+                .position(|x| x.name() == r.rule.name() && x.quota() == r.rule.quota());
+            if let Some(index) = rule {
                 denials.lift(&(index, r.key.clone()));
             }
         }
