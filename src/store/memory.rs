@@ -198,8 +198,15 @@ impl Entry {
     }
 
     /// A refusal: the share of the quota it says is used is at least what the key has used.
+    #[inline]
     fn refused(&self, decision: &Decision, quota: &Quota) {
-        let share = used_share(decision, quota);
+        // Most refusals find nothing left: the whole quota used, no division (this runs on
+        // every refusal, under the shared lock too, where it writes only when the share rises).
+        let share = if decision.remaining == 0 {
+            u16::MAX
+        } else {
+            used_share(decision, quota)
+        };
         if self.used.load(Ordering::Relaxed) < share {
             self.used.store(share, Ordering::Relaxed);
         }
