@@ -988,6 +988,44 @@ mod tests {
         assert_eq!(plain.peek(&key).await.unwrap().remaining, 5);
     }
 
+    /// A shutdown that stops waiting for `release_leases` (its own timeout) still gives every
+    /// block back: the give-backs go on without it.
+    #[tokio::test(start_paused = true)]
+    async fn release_leases_given_up_on_still_gives_every_block_back() {
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::from_millis(2),
+            reply_after: Duration::ZERO,
+            lost_renewals: Default::default(),
+        };
+        let leased = Limiter::builder(link)
+            .rule(hot_rule())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", LeaseConfig::fixed(10))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let plain = Limiter::builder(store).rule(hot_rule()).build().unwrap();
+        let keys = [Key::new("a"), Key::new("b")];
+        for key in &keys {
+            assert!(leased.consume(key, 1).await.unwrap().allowed);
+            assert_eq!(
+                plain.peek(key).await.unwrap().remaining,
+                90,
+                "a block of 10 leased"
+            );
+        }
+        let given_up =
+            tokio::time::timeout(Duration::from_millis(1), leased.release_leases()).await;
+        assert!(given_up.is_err());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for key in &keys {
+            assert_eq!(plain.peek(key).await.unwrap().remaining, 99, "{key:?}");
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn quiet_keys_and_expired_blocks_give_their_permits_back() {
         let (leased, plain, clock) = fleet(LeaseConfig::fixed(10));

@@ -726,7 +726,17 @@ impl Limiter {
     /// Give back every unspent leased permit now and leave leased mode (for a shutdown; idle
     /// keys give theirs back by themselves).
     pub async fn release_leases(&self) {
-        self.inner.release_all().await;
+        // A task of its own, waited for: a caller that stops waiting (a shutdown's timeout)
+        // must not take the blocks not yet given back with it.
+        let inner = self.inner.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let _ = runtime
+                    .spawn(async move { inner.release_all().await })
+                    .await;
+            }
+            Err(_) => inner.release_all().await,
+        }
     }
 
     /// Shadow mode let through a request rule `rule` (by index) denied.
