@@ -670,28 +670,38 @@ impl Inner {
             // Keys of one rule sharing a full shard's overflow state were each decided against
             // it alone: together they may take more than it holds. Each group's total is
             // decided once, and refused whole if it does not fit.
-            let mut groups: Vec<(usize, u32, u64, Vec<usize>)> = Vec::new();
+            let mut groups: Vec<(usize, u32, Vec<usize>)> = Vec::new();
             for (i, (c, &h)) in checks.iter().zip(&hashes).enumerate() {
                 if decided[i].1 != Place::Overflow || !decided[i].0.allowed {
                     continue;
                 }
                 let (g, rule) = (slot(h), c.rule.name_id());
                 match groups.iter_mut().find(|x| x.0 == g && x.1 == rule) {
-                    Some(group) => {
-                        group.2 = group.2.saturating_add(c.cost);
-                        group.3.push(i);
-                    }
-                    None => groups.push((g, rule, c.cost, vec![i])),
+                    Some(group) => group.2.push(i),
+                    None => groups.push((g, rule, vec![i])),
                 }
             }
-            for (g, _, total, members) in groups.into_iter().filter(|x| x.3.len() > 1) {
+            for (g, _, members) in groups.into_iter().filter(|x| x.2.len() > 1) {
                 let first = &checks[members[0]];
                 let quota = first.rule.quota();
                 let mut shared = guards[g].overflow_state(first).1.clone();
-                let together = shared.decide(now, quota, total);
-                if !together.allowed {
+                // One after another on a copy: the first that does not fit refuses the batch,
+                // with its own wait (the total may never fit where each cost alone does).
+                let refused = members.iter().find_map(|&i| {
+                    let d = shared.decide(now, quota, checks[i].cost);
+                    if d.allowed {
+                        shared.commit(now, quota, checks[i].cost);
+                        None
+                    } else {
+                        Some(d)
+                    }
+                });
+                if let Some(mut refused) = refused {
+                    // What the shared state holds: nothing was taken from it.
+                    let alone = &decided[members[0]].0;
+                    refused.remaining = alone.remaining.saturating_add(first.cost);
                     for i in members {
-                        decided[i].0 = together;
+                        decided[i].0 = refused;
                     }
                 }
             }
@@ -1797,6 +1807,12 @@ mod tests {
         let batch = [one(&r, &a, 1)[0], one(&r, &b, 1)[0]];
         let decisions = s.apply_now(Op::Consume, &batch);
         assert!(decisions.iter().all(|d| !d.allowed), "{decisions:?}");
+        assert!(
+            decisions
+                .iter()
+                .all(|d| d.retry_after.is_some() && d.remaining == 1),
+            "each fits alone: a wait, not never, and the permit still there: {decisions:?}"
+        );
         // Alone, one of them fits.
         assert!(s.check(Op::Consume, &batch[0]).allowed);
     }
