@@ -99,7 +99,7 @@ impl HeavyHitters {
 
     fn roll(&self, state: &mut State, now: u64) {
         let elapsed = now.saturating_sub(state.started);
-        if elapsed >= 2 * self.period_us {
+        if elapsed >= self.period_us.saturating_mul(2) {
             state.previous = Summary::default();
             state.current = Summary::default();
             state.started = now;
@@ -146,6 +146,16 @@ impl HeavyHitters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A period as long as a `Duration` goes is accepted, and never overflows a roll.
+    #[test]
+    fn the_longest_period_counts_and_never_overflows() {
+        let h = HeavyHitters::new(10, Duration::MAX, true);
+        let key = Key::new("k");
+        h.denied(&key, 1_900_000_000_000_000);
+        h.denied(&key, u64::MAX);
+        assert_eq!(h.top(1, u64::MAX).len(), 1);
+    }
 
     /// The summary against a direct space-saving one (a newcomer takes the place of a key with
     /// the smallest count, inheriting it plus one): the same counts, key by key, whatever the
