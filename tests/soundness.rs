@@ -407,12 +407,20 @@ async fn a_huge_count_read_under_a_year_long_window_refuses() {
 /// the key would get its hour again.
 #[tokio::test]
 async fn a_peek_under_another_quota_converts_nothing() {
-    for read in ["peek", "inspect"] {
+    // The default algorithm, and the sliding log, whose peek must forget no entry either (a
+    // minute's period would drop the hour's).
+    for (read, algorithm) in [
+        ("peek", Algorithm::default()),
+        ("inspect", Algorithm::default()),
+        ("peek", Algorithm::SlidingLog),
+        ("inspect", Algorithm::SlidingLog),
+    ] {
         each_backend(async |backend, clock, name| {
-            let base = Rule::new("api", Quota::per_minute(100).build().unwrap()).unwrap();
+            let quota = |q: fleetlimit::QuotaBuilder| q.algorithm(algorithm).build().unwrap();
+            let base = Rule::new("api", quota(Quota::per_minute(100))).unwrap();
             let limiter = backend.limiter(base, &clock).await;
             let tenant = Key::new("tenant-7");
-            let hour = Quota::per_hour(50).build().unwrap();
+            let hour = quota(Quota::per_hour(50));
             limiter
                 .set_override("api", &tenant, Some(hour.clone()))
                 .unwrap();
@@ -430,7 +438,10 @@ async fn a_peek_under_another_quota_converts_nothing() {
             for _ in 0..20 {
                 admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
             }
-            assert_eq!(admitted, 0, "{name}, {read}: the hour's 50 are spent");
+            assert_eq!(
+                admitted, 0,
+                "{name}, {read}, {algorithm:?}: the hour's 50 are spent"
+            );
         })
         .await;
     }
@@ -442,26 +453,34 @@ async fn a_peek_under_another_quota_converts_nothing() {
 /// ends, and the key would get its hour again once the hour quota is back.
 #[tokio::test]
 async fn a_refund_under_a_passing_quota_converts_nothing() {
-    each_backend(async |backend, clock, name| {
-        let base = Rule::new("api", Quota::per_minute(100).build().unwrap()).unwrap();
-        let limiter = backend.limiter(base, &clock).await;
-        let tenant = Key::new("tenant-7");
-        let hour = Quota::per_hour(50).build().unwrap();
-        limiter
-            .set_override("api", &tenant, Some(hour.clone()))
-            .unwrap();
-        let (_, x) = limiter.consume_with_receipt(&tenant, 1).await.unwrap();
-        assert!(limiter.consume(&tenant, 49).await.unwrap().allowed);
-        clock.set(T0 + 60_000_000);
-        limiter.set_override("api", &tenant, None).unwrap();
-        limiter.refund(x.unwrap()).await.unwrap();
-        limiter.set_override("api", &tenant, Some(hour)).unwrap();
-        clock.set(T0 + 130_000_000);
-        let mut admitted = 0;
-        for _ in 0..20 {
-            admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
-        }
-        assert_eq!(admitted, 0, "{name}: the hour's 50 are spent");
-    })
-    .await;
+    // A sliding log is never converted, and its refund gives back the receipt's entry (1 more
+    // admitted); it must forget none of the others under the minute's period.
+    for (algorithm, given_back) in [(Algorithm::default(), 0), (Algorithm::SlidingLog, 1)] {
+        each_backend(async |backend, clock, name| {
+            let quota = |q: fleetlimit::QuotaBuilder| q.algorithm(algorithm).build().unwrap();
+            let base = Rule::new("api", quota(Quota::per_minute(100))).unwrap();
+            let limiter = backend.limiter(base, &clock).await;
+            let tenant = Key::new("tenant-7");
+            let hour = quota(Quota::per_hour(50));
+            limiter
+                .set_override("api", &tenant, Some(hour.clone()))
+                .unwrap();
+            let (_, x) = limiter.consume_with_receipt(&tenant, 1).await.unwrap();
+            assert!(limiter.consume(&tenant, 49).await.unwrap().allowed);
+            clock.set(T0 + 60_000_000);
+            limiter.set_override("api", &tenant, None).unwrap();
+            limiter.refund(x.unwrap()).await.unwrap();
+            limiter.set_override("api", &tenant, Some(hour)).unwrap();
+            clock.set(T0 + 130_000_000);
+            let mut admitted = 0;
+            for _ in 0..20 {
+                admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
+            }
+            assert_eq!(
+                admitted, given_back,
+                "{name}, {algorithm:?}: the hour's 50 are spent"
+            );
+        })
+        .await;
+    }
 }

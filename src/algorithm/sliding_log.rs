@@ -15,7 +15,10 @@
 //! clock, to the millisecond; the memory store when it sweeps): the promise under the new period
 //! holds from one new period after the change, and until then the two stores can count a
 //! lengthened log differently. (The other algorithms convert a state the old quota has let go
-//! to a fresh one, so there they agree.)
+//! to a fresh one, so there they agree.) Only a consume forgets expired entries: a peek or a
+//! refund may read the log under a quota not the key's own (an inspection under the rule's
+//! quota, where the key's is decided per request), and a shorter period would drop entries the
+//! key's own still counts.
 
 use std::collections::VecDeque;
 
@@ -44,14 +47,35 @@ impl SlidingLog {
     #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let period = quota.period_us();
-        let limit = quota.limit();
         let now = self.effective_now(now);
         while self.entries.front().is_some_and(|&ts| ts + period <= now) {
             self.entries.pop_front();
         }
-        let count = self.entries.len() as u64;
+        self.decide_from(0, now, quota, cost)
+    }
+
+    /// [`decide`](SlidingLog::decide) without forgetting expired entries: what a peek or a
+    /// refund reads. It may read the log under a quota not the key's own (an inspection under
+    /// the rule's quota, where the key's is decided per request), whose shorter period would
+    /// drop entries the key's own period still counts.
+    pub(crate) fn read(&self, now: u64, quota: &Quota, cost: u64) -> Decision {
+        let period = quota.period_us();
+        let now = self.effective_now(now);
+        let first = self.entries.partition_point(|&ts| ts + period <= now);
+        self.decide_from(first, now, quota, cost)
+    }
+
+    /// The decision on the entries from index `first` on, at `now` (already effective).
+    #[inline(always)]
+    fn decide_from(&self, first: usize, now: u64, quota: &Quota, cost: u64) -> Decision {
+        let period = quota.period_us();
+        let limit = quota.limit();
+        let count = (self.entries.len() - first) as u64;
         let remaining = limit.saturating_sub(count);
-        let reset_after = self.entries.back().map_or(0, |&last| last + period - now);
+        let reset_after = match self.entries.back() {
+            Some(&last) if count > 0 => last + period - now,
+            _ => 0,
+        };
         if cost > limit {
             return never(limit, remaining, reset_after);
         }
@@ -60,7 +84,7 @@ impl SlidingLog {
         } else {
             // The request fits once the oldest `count + cost - limit` entries have expired.
             let must_expire = (count + cost - limit) as usize;
-            let retry = self.entries[must_expire - 1] + period - now;
+            let retry = self.entries[first + must_expire - 1] + period - now;
             Decision::deny(limit, remaining, us(reset_after), Some(us(retry)))
         }
     }

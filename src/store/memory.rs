@@ -309,9 +309,16 @@ impl MemoryStore {
                         if entry.state.converts(now, quota) {
                             return peek(&mut entry.state.clone(), now, quota);
                         }
-                        entry.state.decide(now, quota, 1);
-                        entry.state.refund(now, quota, r.taken);
-                        entry.expires_at = entry.state.expires_at(quota);
+                        if let State::SlidingLog(_) = entry.state {
+                            // A log forgets no entry for a refund (it may come under a quota
+                            // not the key's own, a shorter period), and a refund only removes
+                            // entries: the log lives no longer than it did.
+                            entry.state.refund(now, quota, r.taken);
+                        } else {
+                            entry.state.decide(now, quota, 1);
+                            entry.state.refund(now, quota, r.taken);
+                            entry.expires_at = entry.state.expires_at(quota);
+                        }
                         peek(&mut entry.state, now, quota)
                     }
                     // Evicted or expired: nothing is outstanding any more.
@@ -858,7 +865,11 @@ impl Shard {
         let converts = op == Op::Consume && state.converts(now, quota);
         let undo = (place == Place::Found && !converts && !matches!(state, State::SlidingLog(_)))
             .then(|| state.clone());
-        let mut decision = state.decide(now, quota, check.cost);
+        let mut decision = match state {
+            // A log's peek forgets no entry either (its clean-up is a consume's).
+            State::SlidingLog(log) if op != Op::Consume => log.read(now, quota, check.cost),
+            _ => state.decide(now, quota, check.cost),
+        };
         if place == Place::Found && converts {
             // The conversion may change the state's expiry and how much of it is used.
             let expires_at = state.expires_at(quota);
@@ -1181,7 +1192,10 @@ impl MemoryStore {
 
 /// What a request of cost 1 would get now, without taking anything.
 fn peek(state: &mut State, now: u64, quota: &crate::Quota) -> Decision {
-    let mut d = state.decide(now, quota, 1);
+    let mut d = match state {
+        State::SlidingLog(log) => log.read(now, quota, 1),
+        _ => state.decide(now, quota, 1),
+    };
     if d.allowed {
         d.remaining += 1;
     }

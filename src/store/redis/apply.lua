@@ -128,6 +128,7 @@ end
 if op == 'lease' and listing[1] ~= nil then
   -- A listed key is decided request by request: no block. As a peek, it writes nothing.
   local c = checks[1]
+  c.st.readonly = true
   emit(decide_listed(c, listing[1]), listed_anchor(listing[1]))
   out[#out + 1] = 0
   out[#out + 1] = now
@@ -155,6 +156,7 @@ end
 
 if op == 'refund' then
   for _, c in ipairs(checks) do
+    c.st.readonly = true
     c.alg.decide(c.st, now, c.q, 1)
     -- A receipt of another algorithm comes with cost 0: it refunds nothing. Nor does one for a
     -- state written under another quota: a refund never converts a state (the memory store's
@@ -176,6 +178,11 @@ end
 local peeking = op ~= 'consume'
 for i = 1, nchecks do
   if listing[i] ~= nil and listing[i] ~= 'allow' then peeking = true end
+end
+-- What only reads a state writes nothing to it (a sliding log forgets no entry): a peek, a
+-- listed check (decided as a peek sees it), the checks of a request a listing refuses.
+for i, c in ipairs(checks) do
+  if peeking or listing[i] ~= nil then c.st.readonly = true end
 end
 
 local decisions = {}

@@ -18,8 +18,20 @@ function sliding_log.decide(st, now, q, cost)
   local last
   now, last = effective_now(st, now)
   st.now = now
-  -- Forget expired entries: all at once when the newest has expired, else from the head.
-  if last ~= nil and last + period <= now then
+  -- The index of the oldest entry still counted.
+  local first = 0
+  if st.readonly then
+    -- A peek or a refund forgets nothing (it may read the log under a quota not the key's
+    -- own, a shorter period): the expired entries are skipped, found by halves (it is sorted).
+    local lo, hi = 0, redis.call('LLEN', st.key)
+    while lo < hi do
+      local mid = math.floor((lo + hi) / 2)
+      if tonumber(redis.call('LINDEX', st.key, mid)) + period <= now then lo = mid + 1 else hi = mid end
+    end
+    first = lo
+    if last ~= nil and last + period <= now then last = nil end
+  elseif last ~= nil and last + period <= now then
+    -- Forget expired entries: all at once when the newest has expired, else from the head.
     redis.call('DEL', st.key)
     last = nil
   else
@@ -29,7 +41,7 @@ function sliding_log.decide(st, now, q, cost)
       redis.call('LPOP', st.key)
     end
   end
-  local count = redis.call('LLEN', st.key)
+  local count = redis.call('LLEN', st.key) - first
   local remaining = math.max(limit - count, 0)
   local reset_after = 0
   if last ~= nil then reset_after = last + period - now end
@@ -38,7 +50,7 @@ function sliding_log.decide(st, now, q, cost)
     return { 1, limit, remaining - cost, period, -1 }
   end
   local must_expire = count + cost - limit
-  local oldest = tonumber(redis.call('LINDEX', st.key, must_expire - 1))
+  local oldest = tonumber(redis.call('LINDEX', st.key, first + must_expire - 1))
   return { 0, limit, remaining, reset_after, oldest + period - now }
 end
 
@@ -62,6 +74,9 @@ function sliding_log.refund(st, now, q, at, cost)
 end
 
 function sliding_log.save(st, now, q)
+  -- A refund only removes entries: the log lives no longer than it did (and its quota may
+  -- not be the key's own).
+  if st.readonly then return end
   local last = tonumber(redis.call('LINDEX', st.key, -1))
   if last == nil then return end
   expire_at(st.key, last + q.period, now)
