@@ -206,26 +206,10 @@ async fn failed_logins_are_counted_per_account_from_the_body_and_per_address() {
 
 /// A body streamed in 64 KiB chunks, with no declared length (sent chunked).
 fn streamed(bytes: usize) -> Body {
-    Body::new(Chunks { left: bytes })
-}
-
-struct Chunks {
-    left: usize,
-}
-
-impl http_body::Body for Chunks {
-    type Data = bytes::Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
-        let len = self.left.min(64 * 1024);
-        self.left -= len;
-        let frame = (len > 0).then(|| Ok(http_body::Frame::data(vec![b'z'; len].into())));
-        std::task::Poll::Ready(frame)
-    }
+    let chunks = (0..bytes.div_ceil(64 * 1024))
+        .map(|i| vec![b'z'; (bytes - i * 64 * 1024).min(64 * 1024)])
+        .collect();
+    Body::new(support::Chunks(chunks))
 }
 
 #[tokio::test]

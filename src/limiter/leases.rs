@@ -769,6 +769,27 @@ mod tests {
         (leased, plain, clock)
     }
 
+    /// [`fleet`] with blocks of 10, on a store 2 ms away (tokio's paused time).
+    fn leasing_two_ms_away() -> (Limiter, Limiter) {
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::from_millis(2),
+            reply_after: Duration::ZERO,
+            lost_renewals: Default::default(),
+        };
+        let leased = Limiter::builder(link)
+            .rule(hot_rule())
+            .on_store_error(OnStoreError::fail_closed())
+            .lease("hot", LeaseConfig::fixed(10))
+            .clock(clock)
+            .build()
+            .unwrap();
+        let plain = Limiter::builder(store).rule(hot_rule()).build().unwrap();
+        (leased, plain)
+    }
+
     /// A limiter leasing `rule` (named "hot") on `store` and `clock`, failing closed.
     fn leasing(
         store: MemoryStore,
@@ -956,22 +977,7 @@ mod tests {
     /// permits are the store's again, not lost until the window ends.
     #[tokio::test(start_paused = true)]
     async fn a_request_dropped_during_the_split_give_back_loses_no_permit() {
-        let clock = ManualClock::new(T0);
-        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let link = crate::store::testing::Link {
-            store: store.clone(),
-            delay: Duration::from_millis(2),
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
-        let leased = Limiter::builder(link)
-            .rule(hot_rule())
-            .on_store_error(OnStoreError::fail_closed())
-            .lease("hot", LeaseConfig::fixed(10))
-            .clock(clock.clone())
-            .build()
-            .unwrap();
-        let plain = Limiter::builder(store).rule(hot_rule()).build().unwrap();
+        let (leased, plain) = leasing_two_ms_away();
         let key = Key::new("k");
         for _ in 0..88 {
             assert!(plain.consume(&key, 1).await.unwrap().allowed);
@@ -992,22 +998,7 @@ mod tests {
     /// block back: the give-backs go on without it.
     #[tokio::test(start_paused = true)]
     async fn release_leases_given_up_on_still_gives_every_block_back() {
-        let clock = ManualClock::new(T0);
-        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let link = crate::store::testing::Link {
-            store: store.clone(),
-            delay: Duration::from_millis(2),
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
-        let leased = Limiter::builder(link)
-            .rule(hot_rule())
-            .on_store_error(OnStoreError::fail_closed())
-            .lease("hot", LeaseConfig::fixed(10))
-            .clock(clock.clone())
-            .build()
-            .unwrap();
-        let plain = Limiter::builder(store).rule(hot_rule()).build().unwrap();
+        let (leased, plain) = leasing_two_ms_away();
         let keys = [Key::new("a"), Key::new("b")];
         for key in &keys {
             assert!(leased.consume(key, 1).await.unwrap().allowed);

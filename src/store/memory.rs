@@ -1793,9 +1793,7 @@ mod tests {
             })
             .build()
             .unwrap();
-        for i in 0..16u32 {
-            refusing.apply_now(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 2));
-        }
+        spray(&refusing, &r, 2);
         let d = refusing.apply_now(Op::Consume, &one(&r, &a, 1))[0];
         assert!(!d.allowed);
         assert_eq!(d.retry_after, Some(Duration::from_secs(5)));
@@ -1918,6 +1916,13 @@ mod tests {
 
     /// A fixed window of 10 an hour, named "r".
     /// Rule "r": 10 an hour, by `algorithm`.
+    /// 16 keys of `rule` (a spray), each taking `cost`.
+    fn spray(s: &MemoryStore, rule: &Rule, cost: u64) {
+        for i in 0..16u32 {
+            s.apply_now(Op::Consume, &one(rule, &Key::new(i.to_be_bytes()), cost));
+        }
+    }
+
     fn ten_an_hour(algorithm: Algorithm) -> Rule {
         Rule::new(
             "r",
@@ -1956,9 +1961,7 @@ mod tests {
             assert!(!s.apply_now(Op::Consume, &one(&lowered, &k, 1))[0].allowed);
             clock.advance(Duration::from_millis(1));
             let short = rule("short", Algorithm::FixedWindow, 10);
-            for i in 0..16u32 {
-                s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 6));
-            }
+            spray(&s, &short, 6);
             clock.advance(Duration::from_secs(1));
             assert!(
                 !s.apply_now(Op::Consume, &one(&lowered, &k, 1))[0].allowed,
@@ -1976,9 +1979,7 @@ mod tests {
         let clock = ManualClock::new(1_735_689_600_000_000);
         let s = store(&clock, 16);
         let fill = Rule::new("fill", Quota::per_hour(10).build().unwrap()).unwrap();
-        for i in 0..16u32 {
-            s.apply_now(Op::Consume, &one(&fill, &Key::new(i.to_be_bytes()), 10));
-        }
+        spray(&s, &fill, 10);
         let hour = Rule::new("r", Quota::per_hour(50).build().unwrap()).unwrap();
         let minute = Rule::new("r", Quota::per_minute(100).build().unwrap()).unwrap();
         let k = Key::new("tenant");
@@ -2004,9 +2005,7 @@ mod tests {
         // Keys that used more than half cannot be evicted; `k`, at half, is the one that goes.
         // They expire a second later, leaving room for `k` to come back in the same hour.
         let short = rule("short", Algorithm::FixedWindow, 10);
-        for i in 0..16u32 {
-            s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 6));
-        }
+        spray(&s, &short, 6);
         clock.advance(Duration::from_secs(1));
         let mut admitted = 0;
         while s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed {
@@ -2105,9 +2104,7 @@ mod tests {
             .unwrap();
         // Keys that used more than half push `k` out; in the same microsecond, a new key is
         // counted in the overflow state.
-        for i in 0..16u32 {
-            s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 6));
-        }
+        spray(&s, &short, 6);
         assert!(s.apply_now(Op::Consume, &one(&log, &Key::new("x"), 1))[0].allowed);
         // Once they expire, `k` comes back as a copy of the overflow.
         clock.advance(Duration::from_secs(1));
@@ -2131,9 +2128,7 @@ mod tests {
         let s = store(&clock, 16);
         let short = rule("short", Algorithm::FixedWindow, 5);
         let other = rule("other", Algorithm::FixedWindow, 5);
-        for i in 0..16u32 {
-            s.apply_now(Op::Consume, &one(&short, &Key::new(i.to_be_bytes()), 1));
-        }
+        spray(&s, &short, 1);
         clock.advance(Duration::from_secs(2)); // everything expired, nothing swept yet
         let (a, b) = (Key::new(0u32.to_be_bytes()), Key::new("new"));
         let checks = [
