@@ -319,6 +319,8 @@ proptest! {
         let algorithm = Algorithm::ALL[alg];
         let bursts = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra);
         let quota = quota_of(algorithm, limit, period_ms, bursts.then_some(burst));
+        // At most one permit a microsecond: GCRA refuses a faster rate (`RateTooHigh`).
+        let other_limit = other_limit.min(other_period_ms * 1_000);
         let other = quota_of(algorithm, other_limit, other_period_ms, bursts.then_some(other_burst));
         check_expiry_over(&quota, &other, &arrivals)?;
     }
