@@ -137,8 +137,9 @@ impl WorkerUtilisation {
     /// critical): the level the next request steps to, so that an idle worker's level falls
     /// with time, not only with requests.
     pub fn level(&self) -> u8 {
-        let word = self.state.shedding.load(Ordering::Relaxed);
-        (self.state.stepped(word) & 0xff) as u8
+        let s = &self.state;
+        let word = s.shedding.load(Ordering::Relaxed);
+        (s.stepped(word, s.now(), s.in_flight.load(Ordering::Relaxed)) & 0xff) as u8
     }
 
     /// Requests in this process's handlers now.
@@ -149,9 +150,11 @@ impl WorkerUtilisation {
     /// Adjust the level to the load, and say whether `priority` goes on.
     fn admit(&self, priority: Priority) -> bool {
         let s = &self.state;
-        s.note_busy();
+        // One reading of each for the whole step.
+        let (now, in_flight) = (s.now(), s.in_flight.load(Ordering::Relaxed));
+        s.note_busy(now, in_flight);
         let word = s.shedding.load(Ordering::Relaxed);
-        let stepped = s.stepped(word);
+        let stepped = s.stepped(word, now, in_flight);
         let level = (word & 0xff) as u8;
         let next = (stepped & 0xff) as u8;
         let level_now = if stepped == word {
@@ -165,7 +168,7 @@ impl WorkerUtilisation {
                     tracing::info!(
                         from = level,
                         to = next,
-                        in_flight = s.in_flight.load(Ordering::Relaxed),
+                        in_flight,
                         target = s.target,
                         "fleetlimit: worker load shedding level changed"
                     );
@@ -181,17 +184,21 @@ impl WorkerUtilisation {
 }
 
 impl WorkerState {
-    fn below_80_percent(&self) -> bool {
-        u128::from(self.in_flight.load(Ordering::Relaxed)) * 10 < u128::from(self.target) * 8
+    /// Now, in µs since `epoch`.
+    fn now(&self) -> u64 {
+        crate::algorithm::micros(self.epoch.elapsed())
     }
 
-    /// Record that the worker is busy now, if it is (written at most once a millisecond: every
-    /// request of an overload would otherwise write one line).
-    fn note_busy(&self) {
-        if self.below_80_percent() {
+    fn below_80_percent(&self, in_flight: u64) -> bool {
+        u128::from(in_flight) * 10 < u128::from(self.target) * 8
+    }
+
+    /// Record that the worker is busy at `now`, if it is (written at most once a millisecond:
+    /// every request of an overload would otherwise write one line).
+    fn note_busy(&self, now: u64, in_flight: u64) {
+        if self.below_80_percent(in_flight) {
             return;
         }
-        let now = crate::algorithm::micros(self.epoch.elapsed());
         if now >= self.busy_at.load(Ordering::Relaxed) + 1_000 {
             // Never backwards: a request that read the clock before another's store is older.
             self.busy_at.fetch_max(now, Ordering::Relaxed);
@@ -203,18 +210,16 @@ impl WorkerState {
     /// last request that found the worker busy, whichever is later, whenever the next request
     /// comes (a worker that went idle at level 3 is at 0 three seconds later; one held just
     /// under its target by shedding is not quiet, however long ago its level changed).
-    fn stepped(&self, word: u64) -> u64 {
-        let now = crate::algorithm::micros(self.epoch.elapsed());
+    fn stepped(&self, word: u64, now: u64, in_flight: u64) -> u64 {
         let (level, changed_at) = ((word & 0xff) as u8, word >> 8);
         let since = now.saturating_sub(changed_at);
-        let in_flight = self.in_flight.load(Ordering::Relaxed);
         let step_down = crate::algorithm::micros(self.step_down).max(1);
         let (next, changed) = if in_flight >= self.target
             && level < 3
             && since >= crate::algorithm::micros(self.step_up)
         {
             (level + 1, now)
-        } else if self.below_80_percent() {
+        } else if self.below_80_percent(in_flight) {
             let quiet_from = changed_at.max(self.busy_at.load(Ordering::Relaxed));
             let down = (now.saturating_sub(quiet_from) / step_down).min(u64::from(level));
             (level - down as u8, quiet_from + down * step_down)

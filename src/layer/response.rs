@@ -71,7 +71,7 @@ pub(crate) fn outcome_status<B>(response: &http::Response<B>, grpc: bool) -> Sta
     if !grpc || status != StatusCode::OK {
         return status;
     }
-    let Some(code) = response.headers().get("grpc-status") else {
+    let Some(code) = response.headers().get(&GRPC_STATUS) else {
         return status;
     };
     // A status that does not read as a code is UNKNOWN to a gRPC client: a failure.

@@ -425,10 +425,10 @@ impl Scope {
     /// segment in place of `{id}`, `/files/{*rest}` one or more to the end, and a path ending
     /// in `/*` matches everything under it (`/api/*` matches `/api` and `/api/users/7`); any
     /// other path matches exactly (the query is never part of it). A path that could not match
-    /// as written (an unclosed brace, `{*rest}` before the end, a query, `*` mid-path) is an
-    /// error when the layer is built. Inside an axum `Router`
-    /// the pattern also matches when it is the route axum matched (`MatchedPath`), so nested
-    /// routers can name their full routes. `GET` also matches `HEAD` (axum's `get()` serves
+    /// as written (an unclosed brace, `{*rest}` before the end, a query, a segment starting
+    /// with `*` other than a final `/*`) is an error when the layer is built. Inside an axum
+    /// `Router` the pattern also matches when it is the route axum matched (`MatchedPath`), so
+    /// nested routers can name their full routes. `GET` also matches `HEAD` (axum's `get()` serves
     /// HEAD with the GET handler, so a HEAD request must not go around a GET limit).
     pub fn route(mut self, method: Method, path: &str) -> Scope {
         self.methods = vec![method];

@@ -158,8 +158,9 @@ struct Slot {
     refill: tokio::sync::Mutex<()>,
     last_used: AtomicU64,
     rate: RateMeter,
-    /// Set when the sweeper takes the slot out of leased mode: a refill that gets the lock
-    /// afterwards decides through the store rather than strand a block in a slot nobody sees.
+    /// Set before the slot leaves leased mode (the sweeper, `release_all`): its block is spent
+    /// no more, and a refill that gets the lock afterwards decides through the store rather
+    /// than strand a block in a slot nobody sees.
     retired: AtomicBool,
     /// Counts changes of this key's own quota or listing ([`Leases::key_changed`]).
     quota_changes: AtomicU64,

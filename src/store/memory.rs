@@ -157,8 +157,9 @@ struct Entry {
     state: State,
     /// From this time on the state equals a fresh one and can be dropped.
     expires_at: u64,
-    /// The share of the quota used at the last write (it only falls between writes), in
-    /// 1/65535ths, raised by a refusal: eviction takes the lowest first. Atomic, so that a
+    /// The share of the quota used, in 1/65535ths, as the last write counted it, and raised by
+    /// any refusal since (between writes the real share only falls, with time, so this never
+    /// reads as less than it is): eviction takes the lowest first. Atomic, so that a
     /// refusal decided under the shared lock raises it too: a key refused under a quota lowered
     /// since its last write reads as exhausted, not as the small share it had used of the old
     /// one (an eviction would give it the whole new limit).
