@@ -24,14 +24,16 @@
 //! per `--period` is the refill rate and `--burst` the capacity (default: the limit). Once ready
 //! it prints `listening on http://127.0.0.1:PORT` (`--port 0` picks a free port).
 //!
-//! Routes: `GET /` answers `ok`; `GET /status/{code}` answers with that status; on both,
-//! `?sleep_ms=N` delays the answer by N ms (a slow handler). `--refund-status 500-599,429` gives
+//! Routes: `GET /` answers `ok`; `GET /status/{code}` answers with that status (200-999; a 1xx
+//! is a 400); on both, `?sleep_ms=N` delays the answer by N ms (a slow handler; above 600000,
+//! a 400). SIGINT or SIGTERM stops the server: it waits up to 5 s for the requests in flight,
+//! gives its leased permits back and exits 0. `--refund-status 500-599,429` gives
 //! the permits of requests answered with one of those statuses back (through their receipts).
 //! `--max-keys N` bounds the memory store. `--trusted-proxies` (address ranges) or
 //! `--trusted-hops` (a count of proxies in front) makes requests without an API key count
 //! against the client address the proxies report, not the proxy's. `--rules FILE` takes the
 //! rules from a TOML file (`[[rule]]` tables with `name`, `algorithm`, `limit`, `period`, optional
-//! `burst`; every rule keyed like the single one) and reloads it when it changes, once two polls
+//! `burst`; every rule keyed like the single one unless its `scope` names a key) and reloads it when it changes, once two polls
 //! 250 ms apart read the new text alike (never half-written), logging what changed; a file that cannot be used keeps the running rules and logs why.
 //! `--admin-token TOKEN` mounts the key administration endpoints
 //! of `fleetlimit::admin` at `/admin` (`GET /admin/keys/{key}`, `DELETE /admin/keys/{key}`,
@@ -690,6 +692,8 @@ fn main() -> ExitCode {
             Some(layer) => routes().layer(layer.clone()),
             None => routes(),
         };
+        // The limiter in force when the server stops: its leased blocks go back then.
+        let in_force: Box<dyn Fn() -> Limiter + Send>;
         let (app, admin) = match &options.rules_file {
             Some(path) => {
                 let active = Arc::new(ArcSwap::from_pointee(Active {
@@ -705,9 +709,15 @@ fn main() -> ExitCode {
                 tokio::spawn(reloader.watch(path.clone(), rules));
                 let current = active.clone();
                 let admin = fleetlimit::admin::router_with(move || current.load().limiter.clone());
+                let current = active.clone();
+                in_force = Box::new(move || current.load().limiter.clone());
                 (routes().layer(Current(active)), admin)
             }
-            None => (routes().layer(layer), fleetlimit::admin::router(limiter)),
+            None => {
+                let kept = limiter.clone();
+                in_force = Box::new(move || kept.clone());
+                (routes().layer(layer), fleetlimit::admin::router(limiter))
+            }
         };
         let app = if concurrency.is_some() {
             IN_HANDLERS_COUNTED.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -738,13 +748,17 @@ fn main() -> ExitCode {
             ),
             None => app,
         };
-        match serve(options.port, app).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::FAILURE
-            }
+        if let Err(e) = serve(options.port, app).await {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
         }
+        // Blocks kept past the exit would be counted until their window ends or the bucket
+        // refills: on every instance a rolling deploy restarts.
+        let released = tokio::time::timeout(RELEASE_TIME, in_force().release_leases()).await;
+        if released.is_err() {
+            eprintln!("warning: leased permits not all given back within {RELEASE_TIME:?}");
+        }
+        ExitCode::SUCCESS
     })
 }
 
@@ -908,10 +922,14 @@ fn routes() -> Router {
             "/status/{code}",
             get(
                 |Path(code): Path<String>, Query(slow): Query<Slow>| async move {
+                    // A 1xx is not a final answer: hyper would send a 500 in its place.
                     match parse_number::<u16>("status", &code)
                         .ok()
                         .and_then(|c| StatusCode::from_u16(c).ok())
                     {
+                        Some(status) if status.is_informational() => {
+                            (StatusCode::BAD_REQUEST, "not a final HTTP status (200-999)")
+                        }
                         Some(status) => answer(status, slow).await,
                         None => (StatusCode::BAD_REQUEST, "not an HTTP status"),
                     }
@@ -920,17 +938,62 @@ fn routes() -> Router {
         )
 }
 
+/// How long a stopping server waits for the requests in flight.
+const DRAIN_TIME: Duration = Duration::from_secs(5);
+
+/// How long a stopping server waits for its leased blocks to go back.
+const RELEASE_TIME: Duration = Duration::from_secs(2);
+
+/// Serve until SIGINT or SIGTERM, then let the requests in flight finish, for
+/// [`DRAIN_TIME`] at most (a slow handler must not hold a deploy up).
 async fn serve(port: u16, app: Router) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on http://{}", listener.local_addr()?);
-    axum::serve(
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let server = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),
     )
-    .with_graceful_shutdown(async {
+    .with_graceful_shutdown({
+        let stopping = stopping.clone();
+        async move {
+            stop_signal().await;
+            stopping.notify_one();
+        }
+    });
+    tokio::select! {
+        served = std::future::IntoFuture::into_future(server) => served,
+        () = async {
+            stopping.notified().await;
+            tokio::time::sleep(DRAIN_TIME).await;
+        } => {
+            eprintln!("warning: requests still in flight after {DRAIN_TIME:?}, stopping anyway");
+            Ok(())
+        }
+    }
+}
+
+/// SIGINT (Ctrl-C) or, on Unix, SIGTERM (what a deploy sends).
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
         let _ = tokio::signal::ctrl_c().await;
-    })
-    .await
+    }
 }
 
 /// The limiter and layer in force, replaced as a whole when `--rules` changes the rule names.

@@ -31,23 +31,47 @@ impl Drop for Server {
 }
 
 fn start(args: &[&str]) -> Server {
-    let mut child = Command::new(server_binary())
+    let child = Command::new(server_binary())
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Owned before anything can fail, so that a failure kills it.
+    let mut server = Server(child, 0);
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
+    BufReader::new(server.0.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let port = line
+    server.1 = line
         .trim()
         .strip_prefix("listening on http://127.0.0.1:")
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
         .parse()
         .unwrap();
-    Server(child, port)
+    server
+}
+
+/// Run the server to its exit. One still running after 30 s (a command line it should have
+/// refused, now serving) is killed and fails the test rather than holding the suite.
+fn run_to_exit(args: &[&str]) -> std::process::Output {
+    let mut child = Command::new(server_binary())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let began = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if began.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{args:?} still running after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
 }
 
 fn get(port: u16, api_key: Option<&str>) -> String {
@@ -148,7 +172,7 @@ fn invalid_flags_exit_2_with_a_message() {
         &["--admin-token", ""],
         &["--admin-token", "two words"],
     ] {
-        let out = Command::new(server_binary()).args(args).output().unwrap();
+        let out = run_to_exit(args);
         assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("error: "), "{args:?}: {err}");
@@ -159,7 +183,7 @@ fn invalid_flags_exit_2_with_a_message() {
 #[test]
 fn help_prints_the_usage_on_stdout_and_exits_0() {
     for flag in ["--help", "-h"] {
-        let out = Command::new(server_binary()).arg(flag).output().unwrap();
+        let out = run_to_exit(&[flag]);
         assert_eq!(out.status.code(), Some(0));
         let usage = String::from_utf8_lossy(&out.stdout);
         for documented in [
@@ -274,6 +298,12 @@ fn status_routes_slow_handlers_and_refunds_by_status() {
         status(&get_path(server.1, "/?sleep_ms=999999999", Some("x"))),
         400
     );
+    // Not a final status: hyper would have answered 500 in its place, headers gone.
+    for informational in ["/status/100", "/status/101", "/status/103"] {
+        let r = get_path(server.1, informational, Some(informational));
+        assert_eq!(status(&r), 400, "{informational}: {r}");
+        assert!(r.contains("not a final HTTP status"), "{r}");
+    }
 }
 
 #[test]
@@ -361,10 +391,8 @@ fn serves_from_redis_and_a_redis_cluster() {
 
 #[test]
 fn redis_without_an_outage_policy_is_refused() {
-    let out = Command::new(server_binary())
-        .args(["--store", "redis://127.0.0.1:6379"])
-        .output()
-        .unwrap();
+    // Port 1: if the check were gone, the demo must not reach a Redis it does not own.
+    let out = run_to_exit(&["--store", "redis://127.0.0.1:1"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--on-store-error"));
 }
@@ -407,6 +435,148 @@ fn trusted_proxies_key_anonymous_requests_by_the_reported_client() {
         429,
         "without the flag every client shares the proxy's bucket"
     );
+}
+
+/// The status of a `GET /` for `key`, or `None` once the server no longer answers.
+fn try_status(port: u16, key: &str) -> Option<u16> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET / HTTP/1.1\r\nHost: x\r\nx-api-key: {key}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.get(9..12)?.parse().ok()
+}
+
+/// Send SIGTERM (what a deploy sends) and wait for the exit: its status, and how long it took.
+fn terminate(server: &mut Server) -> (std::process::ExitStatus, Duration) {
+    let term = Command::new("kill")
+        .args(["-TERM", &server.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let signalled = std::time::Instant::now();
+    loop {
+        if let Some(exit) = server.0.try_wait().unwrap() {
+            return (exit, signalled.elapsed());
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(20),
+            "still running 20 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Stopped by SIGTERM while a hot key is served from a leased block, the demo gives the block
+/// back and exits 0: the fleet keeps the whole quota but what was served.
+#[test]
+fn a_demo_stopped_by_sigterm_gives_its_leased_permits_back() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let redis = support::redis::RedisServer::start();
+    let store = format!("redis://{}", redis.addr());
+    let args = |lease: &'static str| {
+        [
+            "--port",
+            "0",
+            "--store",
+            &store,
+            "--on-store-error",
+            "closed",
+            "--algorithm",
+            "fixed-window",
+            "--limit",
+            "10000",
+            "--period",
+            "1h",
+            "--lease",
+            lease,
+        ]
+        .map(str::to_owned)
+    };
+    let leasing = args("1000");
+    let mut demo = start(&leasing.iter().map(String::as_str).collect::<Vec<_>>());
+    let port = demo.1;
+    let began = std::time::Instant::now();
+    while status(&get(port, Some("warm-up"))) != 200 {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "never used Redis"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let served = std::sync::Arc::new(AtomicU64::new(0));
+    let hot = std::thread::spawn({
+        let served = served.clone();
+        move || {
+            while let Some(code) = try_status(port, "hot") {
+                assert_eq!(code, 200, "the hot key is far from its limit");
+                served.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    });
+    while served.load(Ordering::SeqCst) < 20 {
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "the hot key is not served"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (exit, _) = terminate(&mut demo);
+    assert_eq!(exit.code(), Some(0), "{exit:?}");
+    hot.join().unwrap();
+    let served = served.load(Ordering::SeqCst);
+    // A second instance that does not lease sees what Redis counted for the key.
+    let unleased = args("off");
+    let other = start(&unleased.iter().map(String::as_str).collect::<Vec<_>>());
+    let r = get(other.1, Some("hot"));
+    assert_eq!(status(&r), 200, "{r}");
+    let expected = format!("ratelimit-remaining: {}", 10_000 - served - 1);
+    assert!(
+        r.to_ascii_lowercase().contains(&expected),
+        "{served} served, so {expected}: {r}"
+    );
+}
+
+/// A slow request in flight holds a stopping demo for its drain time (5 s), no longer.
+#[test]
+fn a_demo_stopped_by_sigterm_waits_for_a_slow_request_no_longer_than_5_s() {
+    // `--concurrency` for `GET /inflight`, which tells when the slow request is in its handler.
+    let mut demo = start(&["--port", "0", "--concurrency", "10"]);
+    let port = demo.1;
+    let slow = std::thread::spawn(move || get_path_checked(port, "/?sleep_ms=600000"));
+    let began = std::time::Instant::now();
+    while get_path(port, "/inflight", None).rsplit("\r\n").next() != Some("1") {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the slow request never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (exit, took) = terminate(&mut demo);
+    assert_eq!(exit.code(), Some(0), "{exit:?}");
+    assert!(took >= Duration::from_secs(4), "not waited for: {took:?}");
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    let cut_off = slow.join().unwrap();
+    assert!(
+        !matches!(&cut_off, Ok(r) if r.starts_with("HTTP/1.1 200")),
+        "{cut_off:?}"
+    );
+}
+
+/// A request's response, or an error once the server is gone.
+fn get_path_checked(port: u16, path: &str) -> std::io::Result<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nx-api-key: slow\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
 }
 
 /// Started while its Redis is down (fail closed: 503), the demo enforces on Redis as soon as
@@ -607,7 +777,7 @@ fn a_rules_file_that_cannot_be_used_is_a_command_line_error() {
         &["--rules", good.path(), "--limit", "5"],
         &["--rules", good.path(), "--algorithm", "gcra"],
     ] {
-        let out = Command::new(server_binary()).args(args).output().unwrap();
+        let out = run_to_exit(args);
         assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("error: "), "{args:?}: {err}");
