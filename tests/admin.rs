@@ -280,6 +280,12 @@ async fn the_penalty_box_blocks_repeat_offenders_longer_each_time() {
             }
             let third = a.consume(&key, 1).await.unwrap();
             assert!(!third.allowed);
+            // It says so: come back when the block ends, not at the minute's end.
+            assert_eq!(
+                third.retry_after,
+                Some(Duration::from_secs(block)),
+                "{name} round {round}"
+            );
             // The third refusal earned the block: every instance refuses for its length.
             clock.advance(Duration::from_secs(1));
             for limiter in [&a, &b] {

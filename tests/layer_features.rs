@@ -396,6 +396,57 @@ async fn shadow_mode_never_denies_but_says_what_it_would_do() {
     }
 }
 
+/// Shadow mode lets refusals through, and so must not earn the client a block: a block is a
+/// real listing, which every limiter on the store enforces. The same limiter enforcing blocks
+/// at the third refusal, whose `Retry-After` is the block's, not the minute's.
+#[tokio::test]
+async fn shadow_refusals_earn_no_block_and_an_earned_block_is_in_retry_after() {
+    let penalised = || {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::default())
+            .build()
+            .unwrap();
+        Limiter::builder(store)
+            .rule(rule("api", 2))
+            .penalty(fleetlimit::Penalty::new(
+                3,
+                Duration::from_secs(10),
+                Duration::from_secs(600),
+            ))
+            .build()
+            .unwrap()
+    };
+    let key = fleetlimit::Key::from_ip([198, 51, 100, 7].into(), 64);
+    let shadowed = penalised();
+    let app_of = |limiter: &Limiter, shadow: bool| {
+        app(RateLimitLayer::builder(limiter.clone())
+            .shadow(shadow)
+            .build()
+            .unwrap())
+    };
+    let shadow = app_of(&shadowed, true);
+    for _ in 0..10 {
+        assert_eq!(Req::get("/").send(&shadow).await.status(), StatusCode::OK);
+    }
+    assert_eq!(shadowed.inspect(&key).await.unwrap().listing, None);
+
+    let enforced = penalised();
+    let app = app_of(&enforced, false);
+    for expected in [200, 200, 429, 429] {
+        let r = Req::get("/").send(&app).await;
+        assert_eq!(r.status().as_u16(), expected);
+        assert!(h(&r, "retry-after").is_none_or(|s| s.parse::<u64>().unwrap() <= 60));
+    }
+    let third = Req::get("/").send(&app).await;
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(h(&third, "retry-after").as_deref(), Some("600"));
+    assert_eq!(h(&third, "ratelimit-reset").as_deref(), Some("600"));
+    assert!(matches!(
+        enforced.inspect(&key).await.unwrap().listing,
+        Some(fleetlimit::store::Listing::Block(_))
+    ));
+}
+
 #[tokio::test]
 async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
     let limiter = memory_limiter(vec![rule("ip", 1)]);

@@ -14,7 +14,7 @@ use tower_service::Service;
 use super::layer::{Config, Targets};
 use super::verdict::{self, Verdict};
 use super::ResponseBody;
-use crate::store::{BoxFuture, Op};
+use crate::store::BoxFuture;
 use crate::{Decision, Error};
 
 type Decided = (Result<Vec<Decision>, Error>, Targets);
@@ -113,8 +113,9 @@ where
         req: Request<B>,
     ) -> Self {
         let limiter = config.limiter.clone();
+        let counting = config.counting();
         let decision: BoxFuture<'static, Decided> = Box::pin(async move {
-            let result = limiter.apply_indexed(Op::Consume, &targets).await;
+            let result = limiter.consume_counted(&targets, counting).await;
             (result, targets)
         });
         ResponseFuture {

@@ -107,6 +107,15 @@ pub(crate) enum Plan {
 }
 
 impl Config {
+    /// How this layer's decisions count: in shadow mode, a refusal let through earns no block.
+    pub(crate) fn counting(&self) -> crate::limiter::Counting {
+        if self.shadow {
+            crate::limiter::Counting::Shadowed
+        } else {
+            crate::limiter::Counting::Request
+        }
+    }
+
     pub(crate) fn plan(&self, parts: &Parts) -> Plan {
         let mut layer_cost: Option<u64> = None;
         let mut default_key: Option<Option<Key>> = None;
@@ -336,8 +345,11 @@ impl RateLimitLayerBuilder {
     }
 
     /// Shadow mode, for rolling out a new limit: decide, count, set headers and log as usual,
-    /// but never deny. A request that would have been denied is logged at `info` and its
-    /// response carries [`RateLimitInfo`](super::RateLimitInfo) with `would_deny: true`.
+    /// but never deny. A request that would have been denied is logged at `debug` (and counted
+    /// as `shadow_denied` in the metrics) and its response carries
+    /// [`RateLimitInfo`](super::RateLimitInfo) with `would_deny: true`. Its refusals earn no
+    /// block in the limiter's penalty box: a block is a real listing, enforced by every limiter
+    /// on the store.
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.config.shadow = shadow;
         self

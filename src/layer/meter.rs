@@ -5,6 +5,7 @@
 //!
 //! [`Scope::cost_body`]: super::Scope::cost_body
 
+use crate::limiter::Counting;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -344,13 +345,15 @@ where
             if targets.is_empty() {
                 continue;
             }
-            let result = match meter.limiter.charge_after_now(&targets) {
+            let result = match meter.limiter.consume_now(&targets, Counting::Charge) {
                 Some(decisions) => Ok(decisions.into_vec()),
                 None => {
                     let limiter = meter.limiter.clone();
                     let owed = targets.clone();
                     let mut charge: BoxFuture<'static, _> =
-                        Box::pin(async move { limiter.charge_after(&owed).await });
+                        Box::pin(
+                            async move { limiter.consume_counted(&owed, Counting::Charge).await },
+                        );
                     match charge.as_mut().poll(cx) {
                         Poll::Ready(result) => result,
                         Poll::Pending => {

@@ -61,7 +61,11 @@ where
                 super::future::release_readiness(&mut self.inner);
                 ResponseFuture::answer(super::verdict::missing_key(grpc))
             }
-            Plan::Check { targets } => match self.config.limiter.consume_now(&targets) {
+            Plan::Check { targets } => match self
+                .config
+                .limiter
+                .consume_now(&targets, self.config.counting())
+            {
                 // Decided on the spot (an in-process store, a leased block, a remembered
                 // denial): the ready service is called now, as it would be without the layer.
                 Some(decisions) => ResponseFuture::decided(

@@ -2,6 +2,7 @@
 //! denial response, the rate-limit headers, the `RateLimitInfo` extension and the refunds a
 //! response's status calls for.
 
+use crate::limiter::Counting;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -444,7 +445,10 @@ async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
         // A refusal says what is left, and the rest is charged; a few times at most, as another
         // request may take it meanwhile.
         for _ in 0..3 {
-            let decisions = match limiter.charge_after(std::slice::from_ref(&charge)).await {
+            let decisions = match limiter
+                .consume_counted(std::slice::from_ref(&charge), Counting::Charge)
+                .await
+            {
                 Ok(d) => d,
                 Err(error) => {
                     tracing::warn!(%error, "fleetlimit: a settled cost could not be charged");

@@ -213,6 +213,36 @@ pub(crate) struct Target {
     pub(crate) resolved: Option<Box<Rule>>,
 }
 
+/// A refusal that earned `key` a block of the penalty box says so: it waits the block out at
+/// least (a client that came back at the rule's own wait would be refused by the block).
+fn wait_out_block(targets: &Targets, decisions: &mut [Decision], key: &Key, block: Duration) {
+    for (target, decision) in targets.iter().zip(decisions.iter_mut()) {
+        if target.key != *key || decision.allowed {
+            continue;
+        }
+        if let Some(wait) = decision.retry_after.as_mut() {
+            *wait = (*wait).max(block);
+        }
+        decision.reset_after = decision.reset_after.max(block);
+    }
+}
+
+/// How a consume's decisions count, beyond deciding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counting {
+    /// A request's decisions: in the decision metrics and the heavy hitters, and its refusals
+    /// in the penalty box.
+    Request,
+    /// A request's, in shadow mode: counted, but a refusal let through earns no block (a
+    /// block is a real listing, refusing the key in every limiter on the store).
+    Shadowed,
+    /// A charge for a request already decided: what a settled cost found beyond its
+    /// reservation, a metered body's frames. Not counted at all: one request would count once
+    /// per frame, and a refusal here is the budget running out under an admitted request, not
+    /// a client coming back while refused.
+    Charge,
+}
+
 type Targets = [Target];
 
 impl Limiter {
@@ -499,13 +529,17 @@ impl Limiter {
         loop {
             // A refusal waited out is not counted as a request's (in the metrics, the heavy
             // hitters and the penalty box): the caller waits its turn, it does not hammer.
-            let (decisions, deadline) = self.apply_uncounted(Op::Consume, &targets).await?;
+            let (mut decisions, deadline) = self.apply_uncounted(Op::Consume, &targets).await?;
             let decision = most_restrictive(decisions.clone())?;
-            let Some(wake) = waiting::wake(&decision, give_up) else {
-                self.count_request(&targets, &decisions, deadline).await;
-                return Ok(decision);
-            };
-            turn.sleep_until(wake).await;
+            match waiting::wake(&decision, give_up) {
+                Some(wake) => turn.sleep_until(wake).await,
+                None => {
+                    self.count(&targets, &mut decisions, deadline, Counting::Request)
+                        .await;
+                    // With the wait of a block the refusal earned.
+                    return most_restrictive(decisions);
+                }
+            }
         }
     }
 
@@ -771,30 +805,12 @@ impl Limiter {
 
     /// Decide a consume right now, without a future: everything on an in-process store; on one
     /// that can fail, a single-rule consume a leased block or a remembered denial answers.
-    /// `None` means "await [`apply_indexed`](Limiter::apply_indexed)".
+    /// `None` means "await [`consume_counted`](Limiter::consume_counted)".
     #[inline]
     pub(crate) fn consume_now(
         &self,
         targets: &Targets,
-    ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
-        self.consume_now_counted(targets, true)
-    }
-
-    /// [`consume_now`](Limiter::consume_now) for a charge after the request's own decision
-    /// (see [`charge_after`](Limiter::charge_after)).
-    pub(crate) fn charge_after_now(
-        &self,
-        targets: &Targets,
-    ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
-        self.consume_now_counted(targets, false)
-    }
-
-    /// [`consume_now`](Limiter::consume_now); `as_request`: counted as a request's decisions.
-    #[inline]
-    fn consume_now_counted(
-        &self,
-        targets: &Targets,
-        as_request: bool,
+        counting: Counting,
     ) -> Option<smallvec::SmallVec<[Decision; 2]>> {
         let inner = &self.inner;
         if targets.iter().any(|t| t.cost == 0) {
@@ -806,7 +822,7 @@ impl Limiter {
         let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
         let rules = inner.rules.load();
         let overrides = inner.overrides.load();
-        let decisions: smallvec::SmallVec<[Decision; 2]> = match targets {
+        let mut decisions: smallvec::SmallVec<[Decision; 2]> = match targets {
             [target] => {
                 let check = Check {
                     rule: effective(rules.get(target.rule)?, &overrides, target),
@@ -829,67 +845,73 @@ impl Limiter {
             _ => return None,
         };
         inner.trace(targets, &decisions, started);
-        if !as_request {
+        if counting == Counting::Charge {
             return Some(decisions);
         }
         inner.record(targets, &decisions);
-        for (key, block) in inner.earned(targets, &decisions) {
+        for (key, block) in inner.earned(targets, &decisions, counting) {
             // An in-process store answers at once: no future to await on this path.
             let mut penalise = std::pin::pin!(inner.penalise(&key, block, None));
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if std::future::Future::poll(penalise.as_mut(), &mut cx).is_pending() {
-                tracing::warn!("fleetlimit: the penalty box could not block a key in process");
+            match std::future::Future::poll(penalise.as_mut(), &mut cx) {
+                std::task::Poll::Ready(true) => {
+                    wait_out_block(targets, &mut decisions, &key, block)
+                }
+                std::task::Poll::Ready(false) => {}
+                std::task::Poll::Pending => {
+                    tracing::warn!("fleetlimit: the penalty box could not block a key in process")
+                }
             }
         }
         Some(decisions)
     }
 
     /// Like [`apply_to`](Limiter::apply_to), with rules by their index in [`rules`](Limiter::rules)
-    /// and a cost per target.
+    /// and a cost per target; a consume counted as a request's decisions.
     pub(crate) async fn apply_indexed(
         &self,
         op: Op,
         targets: &Targets,
     ) -> Result<Vec<Decision>, Error> {
-        self.apply_counted(op, targets, true).await
-    }
-
-    /// Charge more for a request already decided: what a settled cost found beyond its
-    /// reservation after the response, a metered body's frames as they come. Not a request's
-    /// decision: it feeds neither the decision metrics (one request would count once per
-    /// frame), the heavy hitters nor the penalty box (a refusal here is the budget running out
-    /// under a request already admitted, not a client coming back while refused).
-    pub(crate) async fn charge_after(&self, targets: &Targets) -> Result<Vec<Decision>, Error> {
-        self.apply_counted(Op::Consume, targets, false).await
-    }
-
-    /// [`apply_indexed`](Limiter::apply_indexed); `as_request`: a consume's decisions are a
-    /// request's, and counted as such.
-    async fn apply_counted(
-        &self,
-        op: Op,
-        targets: &Targets,
-        as_request: bool,
-    ) -> Result<Vec<Decision>, Error> {
-        let (decisions, deadline) = self.apply_uncounted(op, targets).await?;
-        if op == Op::Consume && as_request {
-            self.count_request(targets, &decisions, deadline).await;
+        match op {
+            Op::Consume => self.consume_counted(targets, Counting::Request).await,
+            Op::Peek => Ok(self.apply_uncounted(op, targets).await?.0),
         }
+    }
+
+    /// Consume for `targets`, the decisions counted as `counting` says.
+    pub(crate) async fn consume_counted(
+        &self,
+        targets: &Targets,
+        counting: Counting,
+    ) -> Result<Vec<Decision>, Error> {
+        let (mut decisions, deadline) = self.apply_uncounted(Op::Consume, targets).await?;
+        self.count(targets, &mut decisions, deadline, counting)
+            .await;
         Ok(decisions)
     }
 
-    /// Count a consume's decisions as a request's: in the decision metrics and the heavy
-    /// hitters, and its refusals in the penalty box (whose blocks are set within `deadline`,
-    /// the request's).
-    async fn count_request(
+    /// Count a consume's decisions as `counting` says; the penalty box's blocks are set within
+    /// `deadline`, the request's.
+    async fn count(
         &self,
         targets: &Targets,
-        decisions: &[Decision],
+        decisions: &mut [Decision],
         deadline: Option<Deadline>,
+        counting: Counting,
     ) {
+        if counting == Counting::Charge {
+            return;
+        }
         self.inner.record(targets, decisions);
-        for (key, block) in self.inner.earned(targets, decisions) {
-            self.inner.penalise_within(key, block, deadline).await;
+        for (key, block) in self.inner.earned(targets, decisions, counting) {
+            if self
+                .inner
+                .penalise_within(key.clone(), block, deadline)
+                .await
+            {
+                wait_out_block(targets, decisions, &key, block);
+            }
         }
     }
 
@@ -1205,10 +1227,18 @@ impl Inner {
     /// Count this consume's store denials in the penalty box; the keys they got blocked, and
     /// for how long.
     #[inline]
-    fn earned(&self, targets: &Targets, decisions: &[Decision]) -> Vec<(Key, Duration)> {
+    fn earned(
+        &self,
+        targets: &Targets,
+        decisions: &[Decision],
+        counting: Counting,
+    ) -> Vec<(Key, Duration)> {
         let Some(penalties) = &self.penalties else {
             return Vec::new();
         };
+        if counting != Counting::Request {
+            return Vec::new();
+        }
         let now = self.clock.now_us();
         let mut earned: Vec<(Key, Duration)> = Vec::new();
         let mut counted: Vec<&Key> = Vec::new();
@@ -1238,30 +1268,30 @@ impl Inner {
     /// request's (`None`: a store that cannot fail, waited for whole). The request's deadline
     /// may be nearly spent by its decision; the block is still recorded after the response.
     /// If it cannot be, the penalty box forgets it, so that the key's next refusals count again.
-    async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) {
+    /// True when the block was set within the request's deadline.
+    async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) -> bool {
         let Some(request) = request else {
-            self.penalise(&key, block, None).await;
-            return;
+            return self.penalise(&key, block, None).await;
         };
         let record = {
             let me = self.me.clone();
             async move {
                 let Some(inner) = me.upgrade() else {
-                    return;
+                    return false;
                 };
                 let budget = Deadline::after(inner.deadline);
-                if !inner.penalise(&key, block, Some(budget)).await {
+                let blocked = inner.penalise(&key, block, Some(budget)).await;
+                if !blocked {
                     if let Some(penalties) = &inner.penalties {
                         penalties.not_blocked(&key);
                     }
                     tracing::warn!(key = %key, "fleetlimit: the penalty box could not block a key");
                 }
+                blocked
             }
         };
         match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let _ = request.run(runtime.spawn(record)).await;
-            }
+            Ok(runtime) => matches!(request.run(runtime.spawn(record)).await, Ok(Ok(true))),
             Err(_) => record.await,
         }
     }
