@@ -1718,7 +1718,7 @@ async fn a_plain_command_meeting_a_moved_slot_keeps_the_connection() {
 async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
     let clock = ManualClock::default();
     let (_cluster, redis) = cluster_on(&clock).await;
-    limiter_differential(redis, clock, 11).await;
+    limiter_differential(redis, clock, 11, true).await;
 }
 
 /// The same on a standalone server, where every request is one call.
@@ -1726,7 +1726,7 @@ async fn a_limiter_on_a_cluster_decides_exactly_like_one_on_memory() {
 async fn a_limiter_on_a_standalone_server_decides_exactly_like_one_on_memory() {
     let clock = ManualClock::default();
     let (_server, redis) = standalone_on(&clock).await;
-    limiter_differential(redis, clock, 12).await;
+    limiter_differential(redis, clock, 12, false).await;
 }
 
 /// The limiter [`limiter_differential`] compares, on `store`: a penalty box, and the denial
@@ -1747,7 +1747,13 @@ fn compared_limiter<S: Store>(
         .clock(clock.clone())
 }
 
-async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) {
+/// `cluster`: the limiter's checks sit on several slots, where a request one slot refused only
+/// peeks the slots after it, keeping no conversion of their states to a new quota; the memory
+/// store keeps the conversions of a refused request's every check. A fixed window's conversion
+/// depends on the state it converts (a window carried into a longer one stays counted until
+/// that one ends), so there its period is kept: the other algorithms' conversions, and a fixed
+/// window's new limits, are compared.
+async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64, cluster: bool) {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let mut rng = Rng(seed);
     let accounts: Vec<Key> = (0..3).map(|i| Key::new(format!("acct-{i}"))).collect();
@@ -1820,14 +1826,16 @@ async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) 
                     let quota = random_rule(&mut rng, algorithms[r], &names[r], false)
                         .quota()
                         .clone();
+                    let quota = compared_quota(quota, &rules[r], cluster);
                     on_memory.set_quota(&names[r], quota.clone()).unwrap();
                     on_redis.set_quota(&names[r], quota).unwrap();
                 }
                 10 => {
                     let quota = (rng.below(3) > 0).then(|| {
-                        random_rule(&mut rng, algorithms[r], &names[r], false)
+                        let quota = random_rule(&mut rng, algorithms[r], &names[r], false)
                             .quota()
-                            .clone()
+                            .clone();
+                        compared_quota(quota, &rules[r], cluster)
                     });
                     on_memory
                         .set_override(&names[r], key, quota.clone())
@@ -1872,6 +1880,18 @@ async fn limiter_differential(redis: RedisStore, clock: ManualClock, seed: u64) 
         compared > 700 && refunds > 5,
         "{compared} compared, {refunds} refunds"
     );
+}
+
+/// `quota`, with `rule`'s period when it is a fixed window on a cluster (see
+/// [`limiter_differential`]).
+fn compared_quota(quota: Quota, rule: &Rule, cluster: bool) -> Quota {
+    if !cluster || quota.algorithm() != Algorithm::FixedWindow {
+        return quota;
+    }
+    Quota::new(quota.limit(), rule.quota().period())
+        .algorithm(Algorithm::FixedWindow)
+        .build()
+        .unwrap()
 }
 
 /// The layer on the memory store and on a Redis server, the same random requests on one manual

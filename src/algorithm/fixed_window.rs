@@ -11,7 +11,10 @@
 //!
 //! Quota changes: a new limit reads the used count as it is, so while two limits write one key
 //! the count never passes the larger. A new period carries the used count into the new aligned
-//! window if the old window is still open (never fewer counted than before), else starts afresh.
+//! window if that outlasts the old one; if the old window outlasts it (a shorter period), the old
+//! window stays, counting under the new limit, until it ends; once it has ended, the key starts
+//! afresh. So no count is forgotten before its window ends: while an hour and a minute write one
+//! key (a rolling change), the hour's count is not let go at the minute's end.
 
 use super::{never, receipt, us};
 use crate::{Algorithm, Decision, Quota, Taken};
@@ -36,21 +39,32 @@ impl FixedWindow {
         let limit = quota.limit();
         let window = now - now % period;
         if self.period != period {
-            if self.period != 0 {
-                self.valid_from = now;
-            }
-            if now >= self.start + self.period {
+            let old_end = self.start + self.period;
+            if now >= old_end || self.count == 0 {
+                // The old window is over or holds nothing (Redis keeps no such state): fresh.
+                self.valid_from = if self.period != 0 {
+                    now
+                } else {
+                    self.valid_from
+                };
                 self.count = 0;
+                self.start = window;
+                self.period = period;
+            } else if old_end <= window + period {
+                // The new window outlasts the old one: it carries the count.
+                self.valid_from = now;
+                self.start = window;
+                self.period = period;
             }
-            self.start = window;
-            self.period = period;
-        }
-        // A clock that stepped back stays in the newer window.
-        if window > self.start {
+            // Else the old window outlasts the new one and stays until it ends, counting
+            // under this quota's limit: moved into a shorter window, its count would be
+            // forgotten early, and the longer quota would find the key fresh again.
+        } else if window > self.start {
+            // A clock that stepped back stays in the newer window.
             self.start = window;
             self.count = 0;
         }
-        let end = self.start + period;
+        let end = self.start + self.period;
         let to_end = end.saturating_sub(now);
         let remaining = limit.saturating_sub(self.count);
         let reset_after = if self.count == 0 { 0 } else { to_end };
@@ -63,6 +77,17 @@ impl FixedWindow {
             // The next window starts empty and any cost up to the limit fits there.
             Decision::deny(limit, remaining, us(reset_after), Some(us(to_end)))
         }
+    }
+
+    /// Whether [`decide`](FixedWindow::decide) at `now` converts this state, written under
+    /// another period: not while its window outlasts the new one (it stays as it is).
+    pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
+        let period = quota.period_us();
+        if self.period == 0 || self.period == period {
+            return false;
+        }
+        let old_end = self.start + self.period;
+        now >= old_end || self.count == 0 || old_end <= now - now % period + period
     }
 
     #[inline(always)]
@@ -86,11 +111,11 @@ impl FixedWindow {
         }
     }
 
-    pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
+    pub(crate) fn expires_at(&self) -> u64 {
         if self.count == 0 {
             0
         } else {
-            self.start + quota.period_us()
+            self.start + self.period
         }
     }
 }
@@ -172,22 +197,20 @@ mod tests {
         assert!(!s.consume(1).allowed, "4 admitted in the second window");
     }
 
-    /// A receipt from before a period change refunds nothing, even when the state comes back
-    /// to its quota and window (A at 3 per 10 s, B at 3 per 1 s, on one key).
+    /// A receipt from before a period change refunds nothing, even when the state is read
+    /// under its quota again (A at 3 per 1 s, B at 3 per 10 s, on one key).
     #[test]
     fn a_receipt_from_before_a_conversion_refunds_nothing() {
-        let a = quota(3, 10_000);
-        let b = quota(3, 1_000);
+        let a = quota(3, 1_000);
+        let b = quota(3, 10_000);
         let mut s = Sim::new(&a, T0 + 100_000);
         s.consume(1);
         let early = s.last_taken();
         let mut on_b = s.with_quota(&b);
-        on_b.now = T0 + 1_200_000;
-        assert!(on_b.consume(2).allowed);
-        on_b.now = T0 + 2_100_000;
-        assert!(on_b.consume(3).allowed);
+        on_b.now = T0 + 500_000;
+        assert!(on_b.consume(2).allowed, "B's window carries A's 1");
         let mut back = on_b.with_quota(&a);
-        back.now = T0 + 2_500_000;
+        back.now = T0 + 800_000;
         assert!(!back.consume(1).allowed, "3 counted in the window A reads");
         back.refund(early);
         assert!(!back.consume(1).allowed, "the old receipt created a permit");
@@ -209,6 +232,34 @@ mod tests {
         );
         l.advance_ms(60_000);
         assert_eq!(l.peek().remaining, 10);
+    }
+
+    /// An hour's count read under a minute (a rolling change of the period) stays counted until
+    /// the hour ends: moved into the minute, it would be let go at the minute's end, and the
+    /// hour's quota would find the key fresh.
+    #[test]
+    fn a_shorter_period_keeps_the_longer_window_until_it_ends() {
+        let hour = quota(100, 3_600_000);
+        let minute = quota(10, 60_000);
+        let mut h = Sim::new(&hour, T0);
+        assert!(h.consume(100).allowed);
+        h.advance_ms(30_000);
+        let mut m = h.with_quota(&minute);
+        let d = m.consume(1);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(ms(3_570_000)), "until the hour's end");
+        // A minute later, the hour still counts its 100.
+        m.advance_ms(60_000);
+        assert!(!m.with_quota(&hour).consume(1).allowed);
+        assert!(!m.consume(1).allowed);
+        assert_retry_is_exact(&m, 1);
+        // Once the hour is over, the minute's own windows.
+        m.advance_ms(3_510_000);
+        for _ in 0..10 {
+            assert!(m.consume(1).allowed);
+        }
+        assert!(!m.consume(1).allowed);
+        assert_eq!(m.state.expires_at(&minute), T0 + 3_660_000_000);
     }
 
     proptest! {

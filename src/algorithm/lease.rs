@@ -53,7 +53,7 @@ impl State {
                 s.count += permits;
                 Granted {
                     permits,
-                    valid_until: until.min(s.start + quota.period_us()),
+                    valid_until: until.min(s.start + s.period),
                     taken: s.taken(now, permits),
                 }
             }

@@ -108,7 +108,7 @@ impl State {
     /// Whether `decide` would convert this state, written under another quota.
     pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
         match self {
-            State::FixedWindow(s) => s.period != 0 && s.period != quota.period_us(),
+            State::FixedWindow(s) => s.converts(now, quota),
             State::SlidingWindow(s) => {
                 s.period != 0
                     && (s.period != quota.period_us()
@@ -166,7 +166,7 @@ impl State {
     #[inline(always)]
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
         match self {
-            State::FixedWindow(s) => s.expires_at(quota),
+            State::FixedWindow(s) => s.expires_at(),
             State::SlidingLog(s) => s.expires_at(quota),
             State::SlidingWindow(s) => s.expires_at(quota),
             State::TokenBucket(s) => s.expires_at(quota),

@@ -13,19 +13,27 @@ function fixed_window.decide(st, now, q, cost)
   local window = now - (now % period)
   if st.period ~= period then
     -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
-    if st.period ~= 0 then
+    local old_end = st.start + st.period
+    if now >= old_end or st.count == 0 then
+      if st.period ~= 0 then
+        st.dirty = true
+        st.valid_from = now
+      end
+      st.count = 0
+      st.start = window
+      st.period = period
+    elseif old_end <= window + period then
       st.dirty = true
       st.valid_from = now
+      st.start = window
+      st.period = period
     end
-    if now >= st.start + st.period then st.count = 0 end
-    st.start = window
-    st.period = period
-  end
-  if window > st.start then
+    -- Else the old window outlasts the new one and stays until it ends.
+  elseif window > st.start then
     st.start = window
     st.count = 0
   end
-  local to_end = math.max(st.start + period - now, 0)
+  local to_end = math.max(st.start + st.period - now, 0)
   local remaining = math.max(limit - st.count, 0)
   local reset_after = to_end
   if st.count == 0 then reset_after = 0 end
@@ -54,7 +62,7 @@ end
 
 function fixed_window.save(st, now, q)
   local expires_at = 0
-  if st.count > 0 then expires_at = st.start + q.period end
+  if st.count > 0 then expires_at = st.start + st.period end
   if expires_at > now then
     redis.call('HSET', st.key, 's', int(st.start), 'c', int(st.count), 'p', int(st.period),
       'v', int(st.valid_from))
@@ -65,5 +73,5 @@ end
 function fixed_window.lease(st, now, q, max, max_validity)
   local permits = math.min(max, math.max(q.limit - st.count, 0))
   st.count = st.count + permits
-  return permits, math.min(now + max_validity, st.start + q.period), fixed_window.taken(st, now, permits)
+  return permits, math.min(now + max_validity, st.start + st.period), fixed_window.taken(st, now, permits)
 end
