@@ -48,6 +48,10 @@ impl OnStoreError {
     }
 }
 
+/// The wait the local fallback answers for a cost its share can never hold (the rule's whole
+/// quota can): as long as [`OnStoreError::fail_closed`]'s.
+const LOCAL_NEVER_RETRY: Duration = Duration::from_secs(1);
+
 /// The outage policy, resolved when the limiter is built.
 pub(crate) enum Policy {
     Open,
@@ -198,11 +202,17 @@ impl Policy {
                     })
                     .collect();
                 let mut decisions = store.apply_now(op, &local);
-                for d in &mut decisions {
+                for (c, d) in checks.iter().zip(&mut decisions) {
                     d.source = Source::Fallback;
                     d.degraded = true;
                     // Taken from this process's fallback, not the shared budget.
                     d.taken = None;
+                    // A cost the local quota can never hold but the rule's can: refused for
+                    // now, not "never" (a 413, a gRPC "do not retry"), as the store may be back.
+                    if !d.allowed && d.retry_after.is_none() && c.cost <= c.rule.quota().capacity()
+                    {
+                        d.retry_after = Some(LOCAL_NEVER_RETRY);
+                    }
                 }
                 decisions
             }
@@ -369,6 +379,36 @@ mod tests {
         assert_eq!(shared.burst(), fair, "the burst stays the fair share");
         let r = Rule::new("d", day).unwrap();
         assert!(Policy::resolve(OnStoreError::LocalShare(7), &[r], &clock()).is_ok());
+    }
+
+    /// A cost above the local share but within the rule's quota is refused for a second, not
+    /// "never": the 6 MiB upload a 10 MiB quota admits must not be told it is too large
+    /// because the store is away. A cost above the rule's quota stays "never".
+    #[test]
+    fn a_cost_only_the_local_share_cannot_hold_is_refused_for_now() {
+        let r = rule(10, Algorithm::FixedWindow, None);
+        let k = Key::new("k");
+        let local = Policy::resolve(
+            OnStoreError::LocalShare(2),
+            std::slice::from_ref(&r),
+            &clock(),
+        )
+        .unwrap();
+        let check = |cost| Check {
+            rule: &r,
+            key: &k,
+            cost,
+        };
+        let d = local.decide(Op::Consume, &[check(6)])[0];
+        assert!(!d.allowed && d.degraded);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(1)));
+        let d = local.decide(Op::Consume, &[check(11)])[0];
+        assert!(!d.allowed);
+        assert_eq!(
+            d.retry_after, None,
+            "the rule's own quota cannot hold it either"
+        );
+        assert!(local.decide(Op::Consume, &[check(5)])[0].allowed);
     }
 
     #[test]
