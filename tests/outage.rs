@@ -292,6 +292,36 @@ async fn paused_redis_keeps_the_deadline_and_traffic_returns_after_sigcont() {
     assert_eq!(limiter.stats().open_breakers, 0);
 }
 
+/// A deadline longer than half a second is the store's to use: a decision Redis answers after
+/// 700 ms, within a 2 s deadline, is the store's, not the policy's (redis-rs's own response
+/// timeout, 500 ms by default, gave it to the policy).
+#[tokio::test]
+async fn a_slow_answer_within_a_long_deadline_is_the_stores() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder().connect(&server.url()).await.unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(10))
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let key = Key::new("slow");
+    assert!(
+        !limiter.consume(&key, 1).await.unwrap().degraded,
+        "connected"
+    );
+    server.pause();
+    let decision = tokio::spawn({
+        let limiter = limiter.clone();
+        async move { limiter.consume(&key, 1).await.unwrap() }
+    });
+    // The time the answer takes is what is under test.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    server.resume();
+    let d = decision.await.unwrap();
+    assert!(d.allowed && !d.degraded, "{d:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_redis_is_used_again_and_limits_hold_from_its_state() {
     let mut server = RedisServer::start();

@@ -570,6 +570,12 @@ impl<C> Drop for EndsAttempt<C> {
 }
 
 /// A connection ready for one call.
+/// How long a call on a standalone or Sentinel connection may wait for its answer. Longer
+/// than any decision's deadline and than a call made in the background (a lease nobody waits
+/// for, a give-back: at least a second), which redis-rs's own 500 ms would cut short; finite,
+/// so that calls on a connection that stopped answering do not pile up in it.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 enum Ready {
     Single(ConnectionManager),
     /// As the connector holds it: a call that finds a node dead forgets this one, not a newer.
@@ -627,8 +633,9 @@ impl RedisStoreBuilder {
     }
 
     /// How long establishing a connection may take (default 2 s), when the store is built and
-    /// when it reconnects. Calls themselves have no deadline of their own: the
-    /// [`Limiter`](crate::Limiter)'s deadline covers each decision, connecting included.
+    /// when it reconnects. The [`Limiter`](crate::Limiter)'s deadline covers each decision,
+    /// connecting included; a call on a standalone or Sentinel connection also gives up after
+    /// 5 s without an answer (a pool's connections have the pool's own settings).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
@@ -1736,6 +1743,7 @@ impl Inner {
                     let client = client.as_ref().clone();
                     async move {
                         let config = ConnectionManagerConfig::new()
+                            .set_response_timeout(Some(RESPONSE_TIMEOUT))
                             .set_connection_timeout(Some(limit))
                             .set_number_of_retries(2)
                             .set_max_delay(Duration::from_millis(500));
@@ -1782,8 +1790,10 @@ impl Inner {
                             .async_get_client()
                             .await
                             .map_err(store_error)?;
+                        let config = redis::AsyncConnectionConfig::new()
+                            .set_response_timeout(Some(RESPONSE_TIMEOUT));
                         let mut conn = master
-                            .get_multiplexed_async_connection()
+                            .get_multiplexed_async_connection_with_config(&config)
                             .await
                             .map_err(store_error)?;
                         check_version(&mut conn, limit).await?;
