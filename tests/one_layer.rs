@@ -884,22 +884,6 @@ async fn forms_are_read_as_a_form_handler_reads_them() {
 /// which an interactive client sends only after an answer) and a large message is no JSON 413.
 #[tokio::test]
 async fn buffering_leaves_grpc_streams_alone() {
-    /// One 32-byte message of a stream the client keeps open.
-    struct OpenStream(Option<bytes::Bytes>);
-    impl http_body::Body for OpenStream {
-        type Data = bytes::Bytes;
-        type Error = std::io::Error;
-        fn poll_frame(
-            mut self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>>
-        {
-            match self.0.take() {
-                Some(message) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(message)))),
-                None => std::task::Poll::Pending,
-            }
-        }
-    }
     let app = Router::new()
         .route("/p.S/Chat", post(|| async { "answered" }))
         .layer(BufferBodyLayer::new(16));
@@ -915,4 +899,51 @@ async fn buffering_leaves_grpc_streams_alone() {
         .expect("the handler waited for the end of the stream")
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
+}
+
+/// One message of a stream the client keeps open: nothing more ever arrives.
+struct OpenStream(Option<bytes::Bytes>);
+
+impl http_body::Body for OpenStream {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        match self.0.take() {
+            Some(message) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(message)))),
+            None => std::task::Poll::Pending,
+        }
+    }
+}
+
+/// A body that trickles (here: one byte, then nothing) is answered 408 after the default 10 s,
+/// not held for ever out of reach of every rule inside.
+#[tokio::test(start_paused = true)]
+async fn a_body_that_never_ends_is_answered_408_after_10_s() {
+    let limiter = limiter(vec![rule("login", 1)]);
+    let app = Router::new()
+        .route("/login", post(|body: String| async move { body }))
+        .layer(
+            RateLimitLayer::builder(limiter.clone())
+                .scope("login", Scope::new().key(key::json_field("/user")))
+                .build()
+                .unwrap(),
+        )
+        .layer(BufferBodyLayer::new(1024));
+    let mut req = Request::post("/login")
+        .header("content-type", "application/json")
+        .body(Body::new(OpenStream(Some(bytes::Bytes::from_static(b"{")))))
+        .unwrap();
+    req.extensions_mut()
+        .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+    let started = tokio::time::Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(60), app.oneshot(req))
+        .await
+        .expect("still waiting for the body after a minute")
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+    assert_eq!(body_json(r).await["error"], "body_timeout");
 }

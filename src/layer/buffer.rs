@@ -56,8 +56,10 @@ impl BufferedBody {
 /// but never a gRPC call's stream (see [`key::json_field`](crate::key::json_field)); narrow it to the routes that need it with
 /// [`route`](BufferBodyLayer::route) or [`when`](BufferBodyLayer::when). Other requests pass
 /// untouched, their bodies streaming as before. A body over `max_bytes` (declared or read) is
-/// answered `413` with `{"error":"body_too_large"}`, a body that fails to arrive `400`: neither
-/// reaches a rate-limit decision or the handler.
+/// answered `413` with `{"error":"body_too_large"}`, a body that fails to arrive `400`, one
+/// slower than [`read_timeout`](BufferBodyLayer::read_timeout) (10 s) `408`: none reaches a
+/// rate-limit decision or the handler. Every rule inside decides a buffered request only once
+/// its body is read, so buffer only the routes whose rules need the body.
 ///
 /// Put it outside the rate-limit layer (in axum, the later `.layer` call):
 ///
@@ -90,17 +92,32 @@ pub struct BufferBodyLayer {
 struct BufferConfig {
     max_bytes: usize,
     only: Option<Scope>,
+    read_timeout: std::time::Duration,
 }
 
+/// How long [`BufferBodyLayer`] waits for a whole body by default.
+pub const DEFAULT_BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl BufferBodyLayer {
-    /// Read JSON and form bodies of at most `max_bytes`.
+    /// Read JSON and form bodies of at most `max_bytes`, each within
+    /// [`DEFAULT_BODY_READ_TIMEOUT`] (10 s).
     pub fn new(max_bytes: usize) -> BufferBodyLayer {
         BufferBodyLayer {
             config: Arc::new(BufferConfig {
                 max_bytes,
                 only: None,
+                read_timeout: DEFAULT_BODY_READ_TIMEOUT,
             }),
         }
+    }
+
+    /// How long a body may take to arrive whole (default 10 s); a slower one is answered `408`
+    /// with `{"error":"body_timeout"}`. Every rate-limit decision inside waits for the body: a
+    /// client trickling bytes would otherwise hold a connection and up to `max_bytes` of memory
+    /// for as long as it likes, out of reach of every rule (its per-address rule included).
+    pub fn read_timeout(mut self, timeout: std::time::Duration) -> Self {
+        Arc::make_mut(&mut self.config).read_timeout = timeout;
+        self
     }
 
     fn only(mut self, f: impl FnOnce(Scope) -> Scope) -> Self {
@@ -215,7 +232,7 @@ where
             let future = inner.call(Request::from_parts(parts, body));
             return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
         }
-        let max = self.config.max_bytes;
+        let (max, read_timeout) = (self.config.max_bytes, self.config.read_timeout);
         let declared = parts
             .headers
             .get(header::CONTENT_LENGTH)
@@ -224,7 +241,11 @@ where
             if declared.is_some_and(|n| n > max as u64) {
                 return Ok(refused(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"));
             }
-            let bytes = match http_body_util::Limited::new(body, max).collect().await {
+            let read = http_body_util::Limited::new(body, max).collect();
+            let Ok(read) = tokio::time::timeout(read_timeout, read).await else {
+                return Ok(refused(StatusCode::REQUEST_TIMEOUT, "body_timeout"));
+            };
+            let bytes = match read {
                 Ok(collected) => collected.to_bytes(),
                 Err(error) => {
                     if error.is::<http_body_util::LengthLimitError>() {

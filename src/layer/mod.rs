@@ -19,7 +19,9 @@ mod verdict;
 
 pub use body::ResponseBody;
 #[cfg(feature = "body")]
-pub use buffer::{BufferBody, BufferBodyLayer, BufferFuture, BufferedBody};
+pub use buffer::{
+    BufferBody, BufferBodyLayer, BufferFuture, BufferedBody, DEFAULT_BODY_READ_TIMEOUT,
+};
 pub use future::ResponseFuture;
 pub use headers::HeaderStyle;
 pub use layer::{MissingKey, RateLimitLayer, RateLimitLayerBuilder};
