@@ -28,8 +28,11 @@ struct Remembered {
     /// Answered from here until (µs, the limiter's clock): the store's retry time, or `max_age`
     /// after its answer if that comes first.
     until: u64,
-    /// The store's retry time (µs), for `retry_after`.
+    /// The store's retry time (µs), counted from when the call was asked: how long the
+    /// denial may be answered from here.
     retry_at: u64,
+    /// The store's retry time counted from when its answer came (µs), for `retry_after`.
+    shown_retry_at: u64,
     /// For requests of exactly this cost.
     cost: u64,
     /// Full again at (µs), for `reset_after`.
@@ -67,6 +70,10 @@ pub(crate) struct DenialCache {
 pub(crate) struct Asked {
     pub(crate) at: u64,
     pub(crate) generation: u64,
+    /// When the answer came (µs; `at` until it has): the store counted its waits from a moment
+    /// in between, so the waits shown are counted from here (never early), and how long the
+    /// denial is remembered from `at` (never outlasting the store's).
+    pub(crate) answered_at: u64,
 }
 
 /// A shard, locked; on unlock, the change in its size goes into the cache's count.
@@ -171,7 +178,7 @@ impl DenialCache {
             return None;
         }
         let mut d = r.decision;
-        d.retry_after = Some(Duration::from_micros(r.retry_at.saturating_sub(now)));
+        d.retry_after = Some(Duration::from_micros(r.shown_retry_at.saturating_sub(now)));
         d.reset_after = Duration::from_micros(r.reset_at.saturating_sub(now));
         d.source = Source::Cache;
         Some(d)
@@ -192,7 +199,9 @@ impl DenialCache {
         };
         let retry_at = asked_at.saturating_add(micros(retry));
         let until = retry_at.min(asked_at.saturating_add(self.max_age));
-        let reset_at = asked_at.saturating_add(micros(d.reset_after));
+        let answered_at = asked.answered_at.max(asked_at);
+        let shown_retry_at = answered_at.saturating_add(micros(retry));
+        let reset_at = answered_at.saturating_add(micros(d.reset_after));
         let mut shard = self.shard(&key);
         // Read under the shard's lock: a forget moves the generation on before it takes the
         // shard's lock, so either this sees it or the forget removes what this inserts.
@@ -222,6 +231,7 @@ impl DenialCache {
             Remembered {
                 until,
                 retry_at,
+                shown_retry_at,
                 cost,
                 reset_at,
                 asked_at,
@@ -277,6 +287,7 @@ mod tests {
         Asked {
             at: t,
             generation: c.generation(&key.1),
+            answered_at: t,
         }
     }
 
@@ -287,6 +298,28 @@ mod tests {
             Duration::from_millis(reset_ms),
             Some(Duration::from_millis(retry_ms)),
         )
+    }
+
+    /// The store counted its wait from some moment between the call and its answer: the wait
+    /// shown is counted from the answer (never early for a client that obeys it), while the
+    /// denial is answered only as long as counted from the call (never longer than the store's).
+    #[test]
+    fn waits_shown_count_from_the_answer_and_the_denial_ends_by_the_call() {
+        let c = DenialCache::new(100, Duration::from_secs(60));
+        let k = (0, Key::new("k"));
+        let answered = Asked {
+            answered_at: 40_000,
+            ..asked(&c, &k, 0)
+        };
+        c.remember(k.clone(), 1, &denial(1_000, 4_000), answered);
+        let d = c.get(&k, 1, 100_000).unwrap();
+        assert_eq!(d.retry_after, Some(Duration::from_millis(940)));
+        assert_eq!(d.reset_after, Duration::from_millis(3_940));
+        assert!(c.get(&k, 1, 999_999).is_some());
+        assert!(
+            c.get(&k, 1, 1_000_000).is_none(),
+            "the store may admit it now"
+        );
     }
 
     #[test]

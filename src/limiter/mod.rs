@@ -1120,8 +1120,10 @@ impl Inner {
     /// When a store call for `key` (the first of its checks) is asked, for
     /// [`remember`](Inner::remember).
     fn asked(&self, key: Option<&Key>) -> Asked {
+        let at = self.clock.now_us();
         Asked {
-            at: self.clock.now_us(),
+            at,
+            answered_at: at,
             generation: match (&self.denials, key) {
                 (Some(cache), Some(key)) => cache.generation(key),
                 _ => 0,
@@ -1136,7 +1138,11 @@ impl Inner {
             return;
         }
         if let (Some(cache), Some(index)) = (&self.denials, self.rule_index(check.rule)) {
-            cache.remember((index, check.key.clone()), check.cost, d, asked);
+            let answered = Asked {
+                answered_at: self.clock.now_us(),
+                ..asked
+            };
+            cache.remember((index, check.key.clone()), check.cost, d, answered);
         }
     }
 
