@@ -245,7 +245,12 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
             text.extend_from_slice(b", ");
         }
         let mut digits = [0u8; 20];
-        for (i, (rule, d)) in rules.iter().zip(decisions).enumerate() {
+        // A rule the outage policy decided was not consulted: its figures would be invented.
+        let consulted = rules
+            .iter()
+            .zip(decisions)
+            .filter(|(_, d)| d.source != Source::Policy);
+        for (i, (rule, d)) in consulted.enumerate() {
             if i > 0 {
                 text.extend_from_slice(b", ");
             }
@@ -258,8 +263,10 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
             text.push(b'"');
             let (first, second) = if *name == POLICY {
                 // `q` is the budget a client can spend at once: a bucket's burst, not its
-                // refill rate.
-                let window = ceil_secs(rule.quota().period()).max(1);
+                // refill rate; `w` the time the bucket takes to refill that much (for a
+                // burst above the limit, longer than the period), so that a client pacing
+                // itself at `q` per `w` keeps to the rate.
+                let window = ceil_secs(policy_window(rule.quota())).max(1);
                 ((b";q=", rule.quota().capacity()), (b";w=", window))
             } else {
                 let t = match (d.allowed, d.retry_after) {
@@ -283,6 +290,17 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
             headers.insert(name.clone(), v);
         }
     }
+}
+
+/// The window of a quota's IETF policy: its period, or for a bucket whose burst is above its
+/// limit, the time it takes to refill the burst (`period × burst / limit`).
+fn policy_window(quota: &crate::Quota) -> Duration {
+    let (burst, limit) = (quota.capacity(), quota.limit());
+    if burst <= limit {
+        return quota.period();
+    }
+    let micros = quota.period_us() as u128 * burst as u128 / limit as u128;
+    Duration::from_micros(u64::try_from(micros).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]
@@ -327,6 +345,39 @@ mod tests {
     }
 
     #[test]
+    fn ietf_lists_leave_out_rules_the_outage_policy_decided() {
+        let rule = |name| {
+            Rule::new(
+                name,
+                crate::Quota::per_minute(10)
+                    .algorithm(crate::Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let (account, ip) = (rule("account"), rule("ip"));
+        let refused = Decision::deny(
+            10,
+            0,
+            Duration::from_secs(30),
+            Some(Duration::from_secs(30)),
+        );
+        // The ip rule's master was away: the policy admitted it, nobody counted anything.
+        let mut invented = Decision::admit(10, 10, Duration::ZERO);
+        invented.source = Source::Policy;
+        let mut headers = HeaderMap::new();
+        HeaderStyle::Ietf.write(
+            &[&account, &ip],
+            &[refused, invented],
+            &refused,
+            &mut headers,
+        );
+        assert_eq!(headers[&RATELIMIT], "\"account\";r=0;t=30");
+        assert_eq!(headers[&POLICY], "\"account\";q=10;w=60");
+    }
+
+    #[test]
     fn ietf_policy_states_a_buckets_burst_and_parses_as_structured_fields() {
         let bucket = Rule::new(
             "b",
@@ -340,7 +391,8 @@ mod tests {
         let d = Decision::admit(50, 49, Duration::from_millis(100));
         let mut headers = HeaderMap::new();
         HeaderStyle::Ietf.write(&[&bucket], &[d], &d, &mut headers);
-        assert_eq!(headers[&POLICY], "\"b\";q=50;w=1");
+        // 50 at once, refilled in 5 s: 10 a second, as configured.
+        assert_eq!(headers[&POLICY], "\"b\";q=50;w=5");
         assert_eq!(headers[&RATELIMIT], "\"b\";r=49;t=1");
         // The largest quota a Structured Field integer can carry still renders and parses.
         let big = Rule::new(
