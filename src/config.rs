@@ -398,11 +398,31 @@ impl RuleSet {
                         ),
                     })?;
             scope.to_scope().map_err(|e| at_line(*line, e))?;
-            scopes.push((name, scope));
+            scopes.push((*line, name, scope));
+        }
+        let rules = rules_from_tables(tables)?;
+        for (line, name, scope) in &scopes {
+            let (Some(cost), Some(rule)) = (scope.cost, rules.iter().find(|r| r.name() == name))
+            else {
+                continue;
+            };
+            let capacity = rule.quota().capacity();
+            if cost > capacity {
+                return Err(ConfigError::Invalid {
+                    setting: "rules file",
+                    reason: format!(
+                        "line {line}: rule {name:?}: scope.cost {cost} is above what the rule \
+                         can ever admit at once ({capacity}): every request would be refused"
+                    ),
+                });
+            }
         }
         Ok(RuleSet {
-            rules: rules_from_tables(tables)?,
-            scopes,
+            rules,
+            scopes: scopes
+                .into_iter()
+                .map(|(_, name, scope)| (name, scope))
+                .collect(),
         })
     }
 

@@ -564,6 +564,8 @@ scope = { methods = ["post"], path = "/login", key = "peer", refund_status = "20
             ("path = \"/api/*/v1\"", "only ends"),
             ("path = \"/users/{id}/*\"", "{*rest}"),
             ("cost = 0", "cost of 0"),
+            // Above the rule's capacity (1): every request refused as never admissible.
+            ("cost = 2", "above what the rule can ever admit at once (1)"),
             ("refund_status = \"299-200\"", "refund_status"),
             ("missing_key = \"maybe\"", "reject"),
             ("cost_body = 0", "0 bytes"),
