@@ -643,6 +643,7 @@ impl ConcurrencyLimitLayerBuilder {
         if let Some(key) = &self.config.key {
             key.check()?;
         }
+        self.config.peer.check()?;
         Ok(ConcurrencyLimitLayer {
             config: Arc::new(self.config),
         })

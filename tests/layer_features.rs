@@ -447,6 +447,45 @@ async fn shadow_refusals_earn_no_block_and_an_earned_block_is_in_retry_after() {
     ));
 }
 
+/// Trusting every address lets any client name its own (and so its bucket) with a forwarding
+/// header; grouping IPv6 by a very short prefix puts whole providers in one bucket. Both fail
+/// when built, never silently.
+#[test]
+fn trust_and_grouping_that_hand_clients_their_buckets_fail_the_build() {
+    for everyone in [
+        "0.0.0.0/0",
+        "1.0.0.0/7",
+        "::/0",
+        "::/6",
+        "::ffff:0:0/96",
+        "::ffff:10.0.0.0/103",
+    ] {
+        let err = TrustedProxies::new([everyone]).unwrap_err().to_string();
+        assert!(err.contains("hops"), "{everyone}: {err}");
+    }
+    for network in [
+        "10.0.0.0/8",
+        "fc00::/7",
+        "::ffff:10.0.0.0/104",
+        "192.0.2.7",
+        "::1",
+    ] {
+        assert!(TrustedProxies::new([network]).is_ok(), "{network}");
+    }
+    let layer = |prefix| {
+        RateLimitLayer::builder(memory_limiter(vec![rule("ip", 1)]))
+            .peer_ip(PeerIp::default().ipv6_prefix(prefix))
+            .build()
+    };
+    for prefix in [0, 16, 31, 129] {
+        let err = layer(prefix).unwrap_err().to_string();
+        assert!(err.contains("ipv6_prefix"), "{prefix}: {err}");
+    }
+    for prefix in [32, 48, 56, 64, 128] {
+        assert!(layer(prefix).is_ok(), "{prefix}");
+    }
+}
+
 #[tokio::test]
 async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
     let limiter = memory_limiter(vec![rule("ip", 1)]);

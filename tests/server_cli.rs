@@ -164,6 +164,7 @@ fn invalid_flags_exit_2_with_a_message() {
             "open",
         ],
         &["--trusted-proxies", "10.0.0.0/33"],
+        &["--trusted-proxies", "0.0.0.0/0"],
         &["--trusted-hops", "0"],
         &["--trusted-hops", "1", "--trusted-proxies", "127.0.0.1"],
         &["--concurrency", "0"],

@@ -356,11 +356,24 @@ impl PeerIp {
             .or_else(|| PeerIp::peer_addr(parts))
     }
 
-    /// Group IPv6 peers by this prefix length (0–128; default 64). 128 counts every address
-    /// on its own.
+    /// Group IPv6 peers by this prefix length (32–128; default 64). 128 counts every address
+    /// on its own; 48 or 56 group a whole site or subscriber (which can rotate through 65,536
+    /// or 256 /64s). Outside 32–128 the layer's `build` fails: a shorter prefix puts whole
+    /// providers in one bucket, which the penalty box could block for everyone in it.
     pub fn ipv6_prefix(mut self, prefix: u8) -> Self {
-        self.ipv6_prefix = prefix.min(128);
+        self.ipv6_prefix = prefix;
         self
+    }
+
+    /// The error a layer's `build` returns for these settings, if any.
+    pub(crate) fn check(&self) -> Result<(), crate::ConfigError> {
+        if !(32..=128).contains(&self.ipv6_prefix) {
+            return Err(crate::ConfigError::Invalid {
+                setting: "PeerIp::ipv6_prefix",
+                reason: format!("must be between 32 and 128, got {}", self.ipv6_prefix),
+            });
+        }
+        Ok(())
     }
 
     /// The peer address recorded in the request's extensions, if any: axum's `ConnectInfo`

@@ -27,6 +27,26 @@ pub struct TrustedProxies {
     hops: u8,
 }
 
+/// Whether a trusted range is wider than any network of proxies: an IPv4 range wider than a /8
+/// (IPv4-mapped IPv6 ranges alike), an IPv6 range wider than a /7 (`fc00::/7`, every unique
+/// local address, is the widest private one).
+fn too_wide(net: &IpNet) -> bool {
+    const MAPPED: IpNet = IpNet::V6(
+        match ipnet::Ipv6Net::new(std::net::Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0), 96) {
+            Ok(net) => net,
+            Err(_) => panic!("a valid prefix"),
+        },
+    );
+    match net {
+        IpNet::V4(v4) => v4.prefix_len() < 8,
+        IpNet::V6(v6) if v6.prefix_len() < 7 => true,
+        // Covering IPv4-mapped addresses: judged as the IPv4 range it holds.
+        IpNet::V6(v6) => {
+            (net.contains(&MAPPED) || MAPPED.contains(net)) && v6.prefix_len() < 96 + 8
+        }
+    }
+}
+
 impl TrustedProxies {
     /// No proxy is trusted (forwarding headers are always ignored).
     pub fn none() -> Self {
@@ -36,7 +56,9 @@ impl TrustedProxies {
     /// Parse CIDR ranges or single addresses (`"10.0.0.0/8"`, `"192.168.1.7"`, `"::1"`,
     /// `"fd00::/8"`). A single address means /32 or /128. Host bits of a range are cleared.
     ///
-    /// An entry that is neither a range nor an address is a [`ConfigError`](crate::ConfigError).
+    /// An entry that is neither a range nor an address is a [`ConfigError`](crate::ConfigError),
+    /// as is a range wider than an IPv4 /8 or an IPv6 /7 (`0.0.0.0/0` trusts every client to
+    /// name its own address; [`hops`](TrustedProxies::hops) trusts whatever stands in front).
     pub fn new<I, S>(ranges: I) -> Result<Self, crate::ConfigError>
     where
         I: IntoIterator<Item = S>,
@@ -52,6 +74,17 @@ impl TrustedProxies {
                 s.parse::<IpAddr>().ok().map(IpNet::from)
             };
             match net {
+                Some(net) if too_wide(&net) => {
+                    return Err(crate::ConfigError::Invalid {
+                        setting: "trusted proxies",
+                        reason: format!(
+                            "{raw:?} trusts a large part of the internet (wider than an IPv4 \
+                             /8 or an IPv6 /7): any client would choose its own address with a \
+                             forwarding header; to trust whatever proxy stands in front, use \
+                             TrustedProxies::hops"
+                        ),
+                    })
+                }
                 Some(net) => nets.push(net),
                 None => {
                     return Err(crate::ConfigError::Invalid {

@@ -360,6 +360,7 @@ impl RateLimitLayerBuilder {
         if let Some(error) = self.errors.drain(..).next() {
             return Err(error);
         }
+        self.config.peer.check()?;
         if !self.config.unavailable_status.is_client_error()
             && !self.config.unavailable_status.is_server_error()
         {
