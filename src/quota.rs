@@ -499,6 +499,18 @@ impl QuotaBuilder {
                     return Err(ConfigError::RateTooHigh { limit, period });
                 }
                 emission_us = period_us.div_ceil(limit);
+                // GCRA counts in whole µs: the interval is rounded up, never faster than asked,
+                // but near a permit a µs, much slower (999,999 a second is 500,000).
+                if u128::from(emission_us) * u128::from(limit) * 10 > u128::from(period_us) * 11 {
+                    return Err(ConfigError::Invalid {
+                        setting: "quota",
+                        reason: format!(
+                            "GCRA counts time in whole microseconds: {limit} per {period:?} is \
+                             one permit every {emission_us} µs once rounded up, more than 10% \
+                             slower than asked; use the token bucket, exact at any rate"
+                        ),
+                    });
+                }
                 exact(
                     "burst × emission interval in µs",
                     u128::from(burst) * u128::from(emission_us),
@@ -629,6 +641,26 @@ mod tests {
                 .build(),
             Err(ConfigError::RateTooHigh { .. })
         ));
+        // Rounded up to whole µs, these would run far slower than asked: 500,000 and about
+        // 333,333 a second.
+        for (per_second, interval) in [(999_999, "every 2 µs"), (400_000, "every 3 µs")] {
+            let err = Quota::per_second(per_second)
+                .algorithm(Algorithm::Gcra)
+                .build()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(interval) && err.contains("token bucket"),
+                "{err}"
+            );
+        }
+        // Within 10%: 100,000 a second exactly, 95,000 as 90,909.
+        for per_second in [1_000_000, 100_000, 95_000, 7] {
+            assert!(Quota::per_second(per_second)
+                .algorithm(Algorithm::Gcra)
+                .build()
+                .is_ok());
+        }
         assert!(matches!(
             Quota::new(1 << 40, Duration::from_millis(86_400_001))
                 .algorithm(Algorithm::TokenBucket)
