@@ -47,11 +47,12 @@ impl SlidingLog {
     #[inline(always)]
     pub(crate) fn decide(&mut self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let period = quota.period_us();
+        let clock = now;
         let now = self.effective_now(now);
         while self.entries.front().is_some_and(|&ts| ts + period <= now) {
             self.entries.pop_front();
         }
-        self.decide_from(0, now, quota, cost)
+        self.decide_from(0, now, now - clock, quota, cost)
     }
 
     /// [`decide`](SlidingLog::decide) without forgetting expired entries: what a peek or a
@@ -60,31 +61,41 @@ impl SlidingLog {
     /// drop entries the key's own period still counts.
     pub(crate) fn read(&self, now: u64, quota: &Quota, cost: u64) -> Decision {
         let period = quota.period_us();
+        let clock = now;
         let now = self.effective_now(now);
         let first = self.entries.partition_point(|&ts| ts + period <= now);
-        self.decide_from(first, now, quota, cost)
+        self.decide_from(first, now, now - clock, quota, cost)
     }
 
-    /// The decision on the entries from index `first` on, at `now` (already effective).
+    /// The decision on the entries from index `first` on, at `now` (already effective), the
+    /// clock being `behind` it (it stepped back): the waits are the clock's, the log's time
+    /// plus what the clock has yet to catch up.
     #[inline(always)]
-    fn decide_from(&self, first: usize, now: u64, quota: &Quota, cost: u64) -> Decision {
+    fn decide_from(
+        &self,
+        first: usize,
+        now: u64,
+        behind: u64,
+        quota: &Quota,
+        cost: u64,
+    ) -> Decision {
         let period = quota.period_us();
         let limit = quota.limit();
         let count = (self.entries.len() - first) as u64;
         let remaining = limit.saturating_sub(count);
         let reset_after = match self.entries.back() {
-            Some(&last) if count > 0 => last + period - now,
+            Some(&last) if count > 0 => last + period - now + behind,
             _ => 0,
         };
         if cost > limit {
             return never(limit, remaining, reset_after);
         }
         if count + cost <= limit {
-            Decision::admit(limit, remaining - cost, us(period))
+            Decision::admit(limit, remaining - cost, us(period + behind))
         } else {
             // The request fits once the oldest `count + cost - limit` entries have expired.
             let must_expire = (count + cost - limit) as usize;
-            let retry = self.entries[first + must_expire - 1] + period - now;
+            let retry = self.entries[first + must_expire - 1] + period - now + behind;
             Decision::deny(limit, remaining, us(reset_after), Some(us(retry)))
         }
     }
@@ -122,6 +133,22 @@ mod tests {
 
     fn quota(limit: u64, period_ms: u64) -> crate::Quota {
         quota_of(Algorithm::SlidingLog, limit, period_ms, None)
+    }
+
+    /// After the clock steps back (a failover to a host 2.5 s behind), the waits are the
+    /// clock's: counted from the newest entry's time, a client obeying them came back 2.5 s
+    /// early and was refused again.
+    #[test]
+    fn a_clock_that_stepped_back_waits_exactly() {
+        let q = quota(5, 10_000);
+        let mut s = Sim::new(&q, T0 + 100_000_000);
+        assert!(s.consume(5).allowed);
+        s.now -= 2_500_000;
+        let d = s.consume(1);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(ms(12_500)));
+        assert_eq!(d.reset_after, ms(12_500));
+        assert_retry_is_exact(&s, 1);
     }
 
     #[test]

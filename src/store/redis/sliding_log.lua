@@ -16,8 +16,11 @@ end
 function sliding_log.decide(st, now, q, cost)
   local period, limit = q.period, q.limit
   local last
+  local clock = now
   now, last = effective_now(st, now)
   st.now = now
+  -- The waits are the clock's: the log's time plus what a clock stepped back has to catch up.
+  local behind = now - clock
   -- The index of the oldest entry still counted.
   local first = 0
   if st.readonly then
@@ -44,14 +47,14 @@ function sliding_log.decide(st, now, q, cost)
   local count = redis.call('LLEN', st.key) - first
   local remaining = math.max(limit - count, 0)
   local reset_after = 0
-  if last ~= nil then reset_after = last + period - now end
+  if last ~= nil then reset_after = last + period - now + behind end
   if cost > limit then return { 0, limit, remaining, reset_after, -1 } end
   if count + cost <= limit then
-    return { 1, limit, remaining - cost, period, -1 }
+    return { 1, limit, remaining - cost, period + behind, -1 }
   end
   local must_expire = count + cost - limit
   local oldest = tonumber(redis.call('LINDEX', st.key, first + must_expire - 1))
-  return { 0, limit, remaining, reset_after, oldest + period - now }
+  return { 0, limit, remaining, reset_after, oldest + period - now + behind }
 end
 
 function sliding_log.commit(st, now, q, cost)
