@@ -828,6 +828,64 @@ async fn a_body_the_handler_accepts_always_has_its_key() {
     );
 }
 
+/// axum's `Form` reads a GET's query string, not its body: the key is the query's field, so a
+/// body naming a fresh user each time cannot hand the client a fresh bucket, and a GET with
+/// no form body at all is keyed too.
+#[tokio::test]
+async fn a_form_on_get_is_keyed_by_its_query_as_the_handler_reads_it() {
+    let limiter = limiter(vec![rule("login", 1)]);
+    let app = Router::new()
+        .route(
+            "/login",
+            get(
+                |form: axum::Form<std::collections::HashMap<String, String>>| async move {
+                    form.0.get("user").cloned().unwrap_or_default()
+                },
+            ),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter)
+                .scope(
+                    "login",
+                    Scope::new()
+                        .key(key::form_field("user"))
+                        .on_missing_key(MissingKey::Reject),
+                )
+                .build()
+                .unwrap(),
+        )
+        .layer(BufferBodyLayer::new(4096));
+    let form = [("content-type", "application/x-www-form-urlencoded")];
+    let first = send_body(
+        &app,
+        Method::GET,
+        "/login?user=victim",
+        &form,
+        b"user=r1".to_vec(),
+    )
+    .await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let served = first.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&served[..], b"victim", "the handler reads the query");
+    let second = send_body(
+        &app,
+        Method::GET,
+        "/login?user=victim",
+        &form,
+        b"user=r2".to_vec(),
+    )
+    .await;
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    let plain = send(&app, Method::GET, "/login?user=victim", &[]).await;
+    assert_eq!(
+        plain.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "no body, still keyed"
+    );
+    let other = send(&app, Method::GET, "/login?user=other", &[]).await;
+    assert_eq!(other.status(), StatusCode::OK);
+}
+
 /// axum's `Form` reads any content type that starts with `application/x-www-form-urlencoded`
 /// (`…urlencoded charset=utf-8`, without the `;`): `BufferBodyLayer` reads those bodies too, so
 /// the second guess for one user is refused at the default missing-key answer, not skipped.

@@ -54,7 +54,9 @@ pub fn json_field(field: &str) -> BodyField {
 /// value is no key). A field given twice counts as its last, as a map the handler reads the
 /// form into keeps it (a typed `Form<T>` refuses such a body): counting the first would let
 /// `user=anyone&user=victim` be counted against `anyone` while the handler serves `victim`. Like [`json_field`], it needs a
-/// [`BufferBodyLayer`](crate::layer::BufferBodyLayer) outside the rate-limit layer.
+/// [`BufferBodyLayer`](crate::layer::BufferBodyLayer) outside the rate-limit layer. On `GET`
+/// and `HEAD` the field is read from the query string, as axum's `Form` reads it there (a
+/// body sent with such a request is ignored by the handler, and by the key).
 pub fn form_field(name: &str) -> BodyField {
     BodyField {
         field: Field::Form(name.to_owned()),
@@ -129,6 +131,18 @@ enum Field {
 
 impl KeyExtractor for BodyField {
     fn extract(&self, parts: &Parts) -> Option<Key> {
+        if let Field::Form(name) = &self.field {
+            // axum's `Form` reads a GET's or HEAD's query string, never its body: the key is
+            // what the handler reads.
+            if parts.method == http::Method::GET || parts.method == http::Method::HEAD {
+                let query = parts.uri.query().unwrap_or("");
+                let value = form_urlencoded::parse(query.as_bytes())
+                    .filter(|(k, _)| k == name)
+                    .last()?
+                    .1;
+                return self.key(&value);
+            }
+        }
         let Some(body) = parts.extensions.get::<BufferedBody>() else {
             if self.unreadable(parts) {
                 return None;

@@ -92,7 +92,12 @@ where
 ///
 /// A client chooses this value: on its own, a client sending a new value each time is never
 /// limited. Validate it first (an authentication layer), or put a per-address rule in front (the
-/// README's "Keys an attacker controls").
+/// README's "Keys an attacker controls"). The key is the header's *first* line, byte for byte:
+/// validating is enough only if the validator reads exactly those bytes. One that accepts the
+/// header when any line is valid, or the last, or after trimming or lowercasing, lets a client
+/// send `x-api-key: <random>` before its real key and be counted against a fresh bucket each
+/// time; key on what the authentication layer stored in the request's extensions instead
+/// (with [`from_fn`]).
 ///
 /// ```
 /// use fleetlimit::key::{header, KeyExtractor};
