@@ -27,7 +27,7 @@ pub enum ConfigError {
         /// The period asked for.
         got: Duration,
     },
-    /// A burst of zero, or one below the limit for algorithms where it must cover a request.
+    /// A burst of zero.
     #[error("a quota's burst must be at least 1")]
     ZeroBurst,
     /// `burst` only applies to the token bucket and GCRA.

@@ -626,21 +626,12 @@ async fn soak_kill_restart_cycles() {
         let stop = stop_flag();
         let running = load(limiter.clone(), 8, 64, stop.clone());
         tokio::time::sleep(Duration::from_millis(400)).await;
-        // Killing and restarting wait on the process: off the runtime's two workers, which
-        // the load needs.
-        server = tokio::task::spawn_blocking(move || {
-            server.kill();
-            server
-        })
-        .await
-        .unwrap();
+        // Killing and restarting wait on the process, here on the test's own thread (not one
+        // of the runtime's two workers, which the load needs): a server started on a pool
+        // thread would die when that thread retires (its parent-death signal follows it).
+        server.kill();
         tokio::time::sleep(Duration::from_millis(400)).await;
-        server = tokio::task::spawn_blocking(move || {
-            server.restart();
-            server
-        })
-        .await
-        .unwrap();
+        server.restart();
         tokio::time::sleep(Duration::from_millis(800)).await;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let samples = tokio::time::timeout(Duration::from_secs(10), running)

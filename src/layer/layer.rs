@@ -36,9 +36,11 @@ pub enum MissingKey {
 ///
 /// The key comes from the extractor set with [`key`](RateLimitLayerBuilder::key), falling back
 /// to the peer address (axum's `ConnectInfo<SocketAddr>`, tonic's connect info, or a
-/// `SocketAddr` extension; forwarding headers only from trusted proxies). Every response,
-/// admitted or denied, carries the rate-limit headers; a denial is a `429 Too Many Requests`
-/// with `Retry-After` in whole seconds, rounded up (gRPC calls get `RESOURCE_EXHAUSTED`).
+/// `SocketAddr` extension; forwarding headers only from trusted proxies). Every response the
+/// limiter decided, admitted or denied, carries the rate-limit headers (an outage policy's
+/// answer counted nothing and carries none); a denial is a `429 Too Many Requests` with
+/// `Retry-After` in whole seconds, rounded up (gRPC calls get `RESOURCE_EXHAUSTED`), unless
+/// the cost can never be admitted.
 ///
 /// Cheap to clone; every service it makes shares the same limiter, so every clone enforces the
 /// same limit.

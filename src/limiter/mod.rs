@@ -758,7 +758,10 @@ impl Limiter {
     }
 
     /// Give back every unspent leased permit now and leave leased mode (for a shutdown; idle
-    /// keys give theirs back by themselves).
+    /// keys give theirs back by themselves). Call it once the server has stopped serving (after
+    /// axum's `serve` returns, not in its shutdown signal): a request still decided after it
+    /// leases again, and a block leased then is given back only by the sweeper, which ends with
+    /// the limiter's last clone.
     pub async fn release_leases(&self) {
         // A task of its own, waited for: a caller that stops waiting (a shutdown's timeout)
         // must not take the blocks not yet given back with it.

@@ -7,8 +7,11 @@
 //!
 //! The harness talks to the servers with redis-rs's blocking client ([`resp_command`],
 //! [`RedisServer::cmd`]) and signals them with the `kill` command, so it is Unix-only. Every
-//! server it starts is killed by the kernel if the process that started it dies (a test binary
-//! killed mid-run leaves no server behind), and works in its own temporary directory.
+//! server it starts is killed by the kernel if the *thread* that started it ends (Linux's
+//! parent-death signal follows the thread): a test binary killed mid-run leaves no server
+//! behind, but a server started or restarted on a short-lived thread (a `spawn_blocking` pool
+//! thread, retired after 10 s idle) dies with it, so start and restart servers on the test's
+//! own thread. Each works in its own temporary directory.
 //!
 //! It is also the harness of the examples and benchmarks that start their own Redis
 //! (`#[path = "../tests/support/redis.rs"] mod redis_harness;`).
