@@ -220,6 +220,41 @@ async fn a_ca_with_sentinel_is_refused_not_dropped() {
     }
 }
 
+/// A master that asks for a password, found through a Sentinel: its credentials go to the
+/// master (the Sentinel's URL has none), and decisions are the store's. Without them, the
+/// master refuses every call (redis-rs reached the master with no password, whatever the
+/// Sentinel URLs said).
+#[tokio::test]
+async fn sentinel_reaches_a_master_that_asks_for_a_password() {
+    let master = RedisServer::start();
+    let sentinel = RedisServer::start_sentinel("guarded", master.port(), 1);
+    master
+        .cmd(&["CONFIG", "SET", "requirepass", "s3cret-pw"])
+        .unwrap();
+    sentinel
+        .cmd(&["SENTINEL", "SET", "guarded", "auth-pass", "s3cret-pw"])
+        .unwrap();
+    let url = sentinel.url();
+    let builder = RedisStore::builder().sentinel_master_auth(None, "s3cret-pw");
+    assert!(!format!("{builder:?}").contains("s3cret-pw"), "{builder:?}");
+    let authorised = builder.sentinel(&[&url], "guarded").await.unwrap();
+    let started = Instant::now();
+    while consume(&authorised, "guarded").await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the master is never reached"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let without = RedisStore::builder()
+        .sentinel(&[&url], "guarded")
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        assert!(consume(&without, "guarded").await.is_err());
+    }
+}
+
 /// A master, a replica and three Sentinels. Under load, the master is killed: decisions follow
 /// the policy until the replica is promoted, then come from it, with no restart. Prints the
 /// recovery time and the counts lost to asynchronous replication.

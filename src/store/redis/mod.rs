@@ -602,14 +602,35 @@ impl std::fmt::Debug for RedisStore {
 }
 
 /// Configures a [`RedisStore`].
-#[derive(Debug)]
 #[must_use = "a builder does nothing until it connects"]
 pub struct RedisStoreBuilder {
     prefix: String,
     connect_timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
+    /// The master's username (if not the default user) and password, with Sentinel.
+    master_auth: Option<(Option<String>, String)>,
     #[cfg(feature = "tls")]
     tls: Option<redis::TlsCertificates>,
+}
+
+/// Without the master's password.
+impl std::fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("RedisStoreBuilder");
+        d.field("prefix", &self.prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("clock", &self.clock)
+            .field(
+                "master_auth",
+                &self
+                    .master_auth
+                    .as_ref()
+                    .map(|(username, _)| (username, "<password>")),
+            );
+        #[cfg(feature = "tls")]
+        d.field("tls", &self.tls.is_some());
+        d.finish()
+    }
 }
 
 impl Default for RedisStoreBuilder {
@@ -618,6 +639,7 @@ impl Default for RedisStoreBuilder {
             prefix: DEFAULT_PREFIX.into(),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             clock: None,
+            master_auth: None,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -625,6 +647,16 @@ impl Default for RedisStoreBuilder {
 }
 
 impl RedisStoreBuilder {
+    /// With [`sentinel`](Self::sentinel): the credentials of the master the Sentinels name
+    /// (`username` `None` for the default user, as `requirepass` sets; `Some` for an ACL user).
+    /// A Sentinel URL's password is the Sentinels' own, never sent to the master; without this,
+    /// a master that asks for a password answers every call `NOAUTH`, and every decision
+    /// follows the outage policy. The other connections take credentials from their URLs.
+    pub fn sentinel_master_auth(mut self, username: Option<&str>, password: &str) -> Self {
+        self.master_auth = Some((username.map(str::to_owned), password.to_owned()));
+        self
+    }
+
     /// Prefix every key (default `fleetlimit:`). Must not contain `{` or `}`, which would break
     /// the hash tag that keeps a decision's keys on one cluster slot.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -814,10 +846,18 @@ impl RedisStoreBuilder {
         // The master's link as secure as the Sentinels': redis-rs reaches the master it is
         // told of in plain TCP unless told otherwise.
         let tls = urls.iter().any(|u| u.starts_with("rediss://"));
-        let node = tls.then(|| {
-            redis::sentinel::SentinelNodeConnectionInfo::default()
-                .set_tls_mode(redis::TlsMode::Secure)
-        });
+        let mut node = redis::sentinel::SentinelNodeConnectionInfo::default();
+        if tls {
+            node = node.set_tls_mode(redis::TlsMode::Secure);
+        }
+        if let Some((username, password)) = &self.master_auth {
+            let mut info = redis::RedisConnectionInfo::default().set_password(password);
+            if let Some(username) = username {
+                info = info.set_username(username);
+            }
+            node = node.set_redis_connection_info(info);
+        }
+        let node = (tls || self.master_auth.is_some()).then_some(node);
         // redis-rs takes the name as a `String` without TLS and as `impl AsRef<str>` with it.
         #[cfg(not(feature = "tls"))]
         let master = master.to_owned();
