@@ -48,6 +48,18 @@ fn app(limiter: ConcurrencyLimiter, seen: Arc<Handlers>) -> Router {
         )
 }
 
+/// Wait until a request is in its handler (holding its slot), for 5 s at most.
+async fn in_handler(seen: &Handlers) {
+    let began = std::time::Instant::now();
+    while seen.now.load(Ordering::SeqCst) == 0 {
+        assert!(
+            began.elapsed() < Duration::from_secs(5),
+            "never reached its handler"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 async fn send(app: Router) -> (StatusCode, axum::http::HeaderMap) {
     let req = Request::get("/")
         .header("x-api-key", "tenant")
@@ -180,9 +192,9 @@ async fn a_cancelled_request_frees_its_slot() {
         .build()
         .unwrap();
     let seen = Arc::new(Handlers::default());
-    let slow = app(limiter.clone(), seen);
+    let slow = app(limiter.clone(), seen.clone());
     let request = tokio::spawn(send(slow.clone()));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    in_handler(&seen).await;
     assert_eq!(send(slow.clone()).await.0, StatusCode::TOO_MANY_REQUESTS);
     request.abort();
     let _ = request.await;
@@ -255,14 +267,14 @@ async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
         .build()
         .unwrap();
     let seen = Arc::new(Handlers::default());
-    let app = app(concurrency, seen).layer(
+    let app = app(concurrency, seen.clone()).layer(
         RateLimitLayer::builder(rate.clone())
             .key(key::header("x-api-key"))
             .build()
             .unwrap(),
     );
     let first = tokio::spawn(send(app.clone()));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    in_handler(&seen).await;
     for _ in 0..3 {
         assert_eq!(send(app.clone()).await.0, StatusCode::TOO_MANY_REQUESTS);
     }
