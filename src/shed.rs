@@ -112,7 +112,9 @@ struct WorkerState {
     /// When a request last found the worker at 80% of the target or more (µs since `epoch`,
     /// to the millisecond): quiet, the time steps down count from, starts after it.
     busy_at: AtomicU64,
-    epoch: std::time::Instant,
+    clock: Arc<dyn crate::Clock>,
+    /// When the worker was made, on `clock` (µs): times are counted from here.
+    epoch: u64,
     step_up: Duration,
     step_down: Duration,
 }
@@ -120,13 +122,21 @@ struct WorkerState {
 impl WorkerUtilisation {
     /// Shed once more than `target` requests are in this process's handlers.
     pub fn new(target: u64) -> WorkerUtilisation {
+        WorkerUtilisation::with_clock(target, crate::SystemClock)
+    }
+
+    /// [`new`](WorkerUtilisation::new), its steps timed by `clock` (a
+    /// [`ManualClock`](crate::ManualClock) in tests; it must not step back).
+    pub fn with_clock(target: u64, clock: impl crate::Clock) -> WorkerUtilisation {
+        let clock: Arc<dyn crate::Clock> = Arc::new(clock);
         WorkerUtilisation {
             state: Arc::new(WorkerState {
                 target,
                 in_flight: AtomicU64::new(0),
                 shedding: AtomicU64::new(0),
                 busy_at: AtomicU64::new(0),
-                epoch: std::time::Instant::now(),
+                epoch: clock.now_us(),
+                clock,
                 step_up: Duration::from_millis(100),
                 step_down: Duration::from_secs(1),
             }),
@@ -186,7 +196,7 @@ impl WorkerUtilisation {
 impl WorkerState {
     /// Now, in µs since `epoch`.
     fn now(&self) -> u64 {
-        crate::algorithm::micros(self.epoch.elapsed())
+        self.clock.now_us().saturating_sub(self.epoch)
     }
 
     fn below_80_percent(&self, in_flight: u64) -> bool {
@@ -553,16 +563,9 @@ mod tests {
     /// new level, and step again).
     #[test]
     fn racing_requests_step_once() {
-        let epoch = std::time::Instant::now()
-            .checked_sub(Duration::from_secs(1))
-            .unwrap_or_else(std::time::Instant::now);
-        let w = WorkerUtilisation::new(10);
-        let w = WorkerUtilisation {
-            state: Arc::new(WorkerState {
-                epoch,
-                ..Arc::try_unwrap(w.state).unwrap()
-            }),
-        };
+        let clock = crate::ManualClock::new(1_000_000_000);
+        let w = WorkerUtilisation::with_clock(10, clock.clone());
+        clock.advance(Duration::from_secs(1));
         w.state.in_flight.store(10, Ordering::Relaxed);
         let threads = 8;
         let barrier = Arc::new(std::sync::Barrier::new(threads + 1));
@@ -597,16 +600,10 @@ mod tests {
     #[test]
     fn an_idle_worker_steps_down_with_time_not_with_requests() {
         let worker_since = |ago: Duration| {
-            let epoch = std::time::Instant::now()
-                .checked_sub(ago)
-                .unwrap_or_else(std::time::Instant::now);
-            let w = WorkerUtilisation::new(10);
-            WorkerUtilisation {
-                state: Arc::new(WorkerState {
-                    epoch,
-                    ..Arc::try_unwrap(w.state).unwrap()
-                }),
-            }
+            let clock = crate::ManualClock::new(1_000_000_000);
+            let w = WorkerUtilisation::with_clock(10, clock.clone());
+            clock.advance(ago);
+            w
         };
         // At level 3 since the epoch, a minute ago, with nothing in flight.
         let idle = worker_since(Duration::from_secs(60));
