@@ -11,10 +11,12 @@
 //!
 //! Quota changes: a new limit reads the used count as it is, so while two limits write one key
 //! the count never passes the larger. A new period carries the used count into the new aligned
-//! window if that outlasts the old one; if the old window outlasts it (a shorter period), the old
-//! window stays, counting under the new limit, until it ends; once it has ended, the key starts
-//! afresh. So no count is forgotten before its window ends: while an hour and a minute write one
-//! key (a rolling change), the hour's count is not let go at the minute's end.
+//! window if the old window is still open (never fewer counted than before), else starts
+//! afresh. A shorter period would let the old window's count go at its own window's end: the
+//! count is also *held* until the old window ends, every permit taken meanwhile added to it,
+//! and a longer period reads the held count back. So while an hour and a minute write one key (a
+//! rolling change), the minute's instance keeps its minute and the hour's instance still finds
+//! the hour's count. A refund does not lower a held count (it errs on the safe side).
 
 use super::{never, receipt, us};
 use crate::{Algorithm, Decision, Quota, Taken};
@@ -30,6 +32,11 @@ pub(crate) struct FixedWindow {
     /// Receipts from before this time (µs) refund nothing: the state was created or converted
     /// then. 0 until the first permit is taken.
     pub(crate) valid_from: u64,
+    /// The permits a longer window than this one still counts (every permit taken since it
+    /// was converted to a shorter period), until `held_until`; 0 when none.
+    pub(crate) held: u64,
+    /// When that longer window ends (µs).
+    pub(crate) held_until: u64,
 }
 
 impl FixedWindow {
@@ -38,33 +45,38 @@ impl FixedWindow {
         let period = quota.period_us();
         let limit = quota.limit();
         let window = now - now % period;
+        if self.held_until <= now {
+            self.held = 0;
+            self.held_until = 0;
+        }
         if self.period != period {
-            let old_end = self.start + self.period;
-            if now >= old_end || self.count == 0 {
-                // The old window is over or holds nothing (Redis keeps no such state): fresh.
-                self.valid_from = if self.period != 0 {
-                    now
-                } else {
-                    self.valid_from
-                };
-                self.count = 0;
-                self.start = window;
-                self.period = period;
-            } else if old_end <= window + period {
-                // The new window outlasts the old one: it carries the count.
+            if self.period != 0 {
                 self.valid_from = now;
-                self.start = window;
-                self.period = period;
             }
-            // Else the old window outlasts the new one and stays until it ends, counting
-            // under this quota's limit: moved into a shorter window, its count would be
-            // forgotten early, and the longer quota would find the key fresh again.
-        } else if window > self.start {
-            // A clock that stepped back stays in the newer window.
+            let old_end = self.start + self.period;
+            if now >= old_end {
+                self.count = 0;
+            } else if old_end > window + period {
+                // A shorter period: the old window still counts this count after the new one
+                // ends. (A held count from a longer window yet counts it already.)
+                self.held = self.held.max(self.count);
+                self.held_until = self.held_until.max(old_end);
+            }
+            if self.held_until != 0 && self.held_until <= window + period {
+                // A held count whose window ends within this one is this one's.
+                self.count = self.count.max(self.held);
+                self.held = 0;
+                self.held_until = 0;
+            }
+            self.start = window;
+            self.period = period;
+        }
+        // A clock that stepped back stays in the newer window.
+        if window > self.start {
             self.start = window;
             self.count = 0;
         }
-        let end = self.start + self.period;
+        let end = self.start + period;
         let to_end = end.saturating_sub(now);
         let remaining = limit.saturating_sub(self.count);
         let reset_after = if self.count == 0 { 0 } else { to_end };
@@ -79,21 +91,18 @@ impl FixedWindow {
         }
     }
 
-    /// Whether [`decide`](FixedWindow::decide) at `now` converts this state, written under
-    /// another period: not while its window outlasts the new one (it stays as it is).
-    pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
-        let period = quota.period_us();
-        if self.period == 0 || self.period == period {
-            return false;
-        }
-        let old_end = self.start + self.period;
-        now >= old_end || self.count == 0 || old_end <= now - now % period + period
-    }
-
     #[inline(always)]
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
-        self.count += cost;
+        self.count_now(now, cost);
         self.taken(now, cost)
+    }
+
+    /// Count `n` permits taken at `now`: in this window, and in a longer one that holds a count.
+    pub(crate) fn count_now(&mut self, now: u64, n: u64) {
+        self.count += n;
+        if self.held_until > now {
+            self.held += n;
+        }
     }
 
     /// A receipt for `cost` permits counted at `now`, in the current window.
@@ -112,10 +121,15 @@ impl FixedWindow {
     }
 
     pub(crate) fn expires_at(&self) -> u64 {
-        if self.count == 0 {
+        let own = if self.count == 0 {
             0
         } else {
             self.start + self.period
+        };
+        if self.held == 0 {
+            own
+        } else {
+            own.max(self.held_until)
         }
     }
 }
@@ -234,11 +248,11 @@ mod tests {
         assert_eq!(l.peek().remaining, 10);
     }
 
-    /// An hour's count read under a minute (a rolling change of the period) stays counted until
-    /// the hour ends: moved into the minute, it would be let go at the minute's end, and the
-    /// hour's quota would find the key fresh.
+    /// An hour's count read under a minute (a rolling change of the period) is held until the
+    /// hour ends, with every permit the minute takes meanwhile: the hour's quota reads it back
+    /// and finds the key used, not fresh, while the minute keeps its own windows.
     #[test]
-    fn a_shorter_period_keeps_the_longer_window_until_it_ends() {
+    fn a_shorter_period_holds_the_longer_windows_count_until_it_ends() {
         let hour = quota(100, 3_600_000);
         let minute = quota(10, 60_000);
         let mut h = Sim::new(&hour, T0);
@@ -246,20 +260,25 @@ mod tests {
         h.advance_ms(30_000);
         let mut m = h.with_quota(&minute);
         let d = m.consume(1);
-        assert!(!d.allowed);
-        assert_eq!(d.retry_after, Some(ms(3_570_000)), "until the hour's end");
-        // A minute later, the hour still counts its 100.
+        assert!(!d.allowed, "the hour's count carried into this minute");
+        assert_eq!(d.retry_after, Some(ms(30_000)));
+        // The next minute is the minute's own.
         m.advance_ms(60_000);
-        assert!(!m.with_quota(&hour).consume(1).allowed);
-        assert!(!m.consume(1).allowed);
-        assert_retry_is_exact(&m, 1);
-        // Once the hour is over, the minute's own windows.
-        m.advance_ms(3_510_000);
         for _ in 0..10 {
             assert!(m.consume(1).allowed);
         }
         assert!(!m.consume(1).allowed);
-        assert_eq!(m.state.expires_at(&minute), T0 + 3_660_000_000);
+        assert_retry_is_exact(&m, 1);
+        // The hour reads back its 100 and the minute's 10: nothing more this hour.
+        let mut back = m.with_quota(&hour);
+        let d = back.consume(1);
+        assert!(!d.allowed);
+        assert_eq!(d.remaining, 0);
+        assert_eq!(d.retry_after, Some(ms(3_510_000)), "until the hour's end");
+        assert_eq!(m.state.expires_at(&minute), T0 + 3_600_000_000);
+        // Once the hour is over, nothing is held.
+        m.advance_ms(3_510_000);
+        assert!(m.with_quota(&hour).consume(100).allowed);
     }
 
     proptest! {

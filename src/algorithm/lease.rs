@@ -50,7 +50,7 @@ impl State {
         let granted = match self {
             State::FixedWindow(s) => {
                 let permits = max.min(quota.limit().saturating_sub(s.count));
-                s.count += permits;
+                s.count_now(now, permits);
                 Granted {
                     permits,
                     valid_until: until.min(s.start + s.period),

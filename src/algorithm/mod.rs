@@ -108,7 +108,7 @@ impl State {
     /// Whether `decide` would convert this state, written under another quota.
     pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
         match self {
-            State::FixedWindow(s) => s.converts(now, quota),
+            State::FixedWindow(s) => s.period != 0 && s.period != quota.period_us(),
             State::SlidingWindow(s) => {
                 s.period != 0
                     && (s.period != quota.period_us()

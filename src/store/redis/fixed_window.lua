@@ -1,39 +1,51 @@
 -- Fixed window: src/algorithm/fixed_window.rs, line for line.
 -- State: HASH { s = start, c = count, p = the period the window was aligned to, v = receipts
--- from before this time refund nothing }.
+-- from before this time refund nothing, h = the count a longer window holds until u }.
 local fixed_window = {}
 
 function fixed_window.load(key)
-  local v = hash_numbers(key, { 's', 'c', 'p', 'v' })
-  return { key = key, start = v[1] or 0, count = v[2] or 0, period = v[3] or 0, valid_from = v[4] or 0 }
+  local v = hash_numbers(key, { 's', 'c', 'p', 'v', 'h', 'u' })
+  return {
+    key = key, start = v[1] or 0, count = v[2] or 0, period = v[3] or 0, valid_from = v[4] or 0,
+    held = v[5] or 0, held_until = v[6] or 0,
+  }
 end
 
 function fixed_window.decide(st, now, q, cost)
   local period, limit = q.period, q.limit
   local window = now - (now % period)
+  if st.held_until <= now then
+    st.held = 0
+    st.held_until = 0
+  end
   if st.period ~= period then
     -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
-    local old_end = st.start + st.period
-    if now >= old_end or st.count == 0 then
-      if st.period ~= 0 then
-        st.dirty = true
-        st.valid_from = now
-      end
-      st.count = 0
-      st.start = window
-      st.period = period
-    elseif old_end <= window + period then
+    if st.period ~= 0 then
       st.dirty = true
       st.valid_from = now
-      st.start = window
-      st.period = period
     end
-    -- Else the old window outlasts the new one and stays until it ends.
-  elseif window > st.start then
+    local old_end = st.start + st.period
+    if now >= old_end then
+      st.count = 0
+    elseif old_end > window + period then
+      -- A shorter period: the old window still counts this count after the new one ends.
+      st.held = math.max(st.held, st.count)
+      st.held_until = math.max(st.held_until, old_end)
+    end
+    if st.held_until ~= 0 and st.held_until <= window + period then
+      -- A held count whose window ends within this one is this one's.
+      st.count = math.max(st.count, st.held)
+      st.held = 0
+      st.held_until = 0
+    end
+    st.start = window
+    st.period = period
+  end
+  if window > st.start then
     st.start = window
     st.count = 0
   end
-  local to_end = math.max(st.start + st.period - now, 0)
+  local to_end = math.max(st.start + period - now, 0)
   local remaining = math.max(limit - st.count, 0)
   local reset_after = to_end
   if st.count == 0 then reset_after = 0 end
@@ -50,8 +62,14 @@ function fixed_window.taken(st, now, cost)
   return at
 end
 
+-- Count n permits taken at now: in this window, and in a longer one that holds a count.
+local function fw_count_now(st, now, n)
+  st.count = st.count + n
+  if st.held_until > now then st.held = st.held + n end
+end
+
 function fixed_window.commit(st, now, q, cost)
-  st.count = st.count + cost
+  fw_count_now(st, now, cost)
   return fixed_window.taken(st, now, cost)
 end
 
@@ -63,15 +81,16 @@ end
 function fixed_window.save(st, now, q)
   local expires_at = 0
   if st.count > 0 then expires_at = st.start + st.period end
+  if st.held > 0 then expires_at = math.max(expires_at, st.held_until) end
   if expires_at > now then
     redis.call('HSET', st.key, 's', int(st.start), 'c', int(st.count), 'p', int(st.period),
-      'v', int(st.valid_from))
+      'v', int(st.valid_from), 'h', int(st.held), 'u', int(st.held_until))
   end
   expire_at(st.key, expires_at, now)
 end
 
 function fixed_window.lease(st, now, q, max, max_validity)
   local permits = math.min(max, math.max(q.limit - st.count, 0))
-  st.count = st.count + permits
-  return permits, math.min(now + max_validity, st.start + st.period), fixed_window.taken(st, now, permits)
+  fw_count_now(st, now, permits)
+  return permits, math.min(now + max_validity, st.start + q.period), fixed_window.taken(st, now, permits)
 end
