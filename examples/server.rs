@@ -947,6 +947,9 @@ const RELEASE_TIME: Duration = Duration::from_secs(2);
 /// Serve until SIGINT or SIGTERM, then let the requests in flight finish, for
 /// [`DRAIN_TIME`] at most (a slow handler must not hold a deploy up).
 async fn serve(port: u16, app: Router) -> std::io::Result<()> {
+    // Listened for before the server says it is ready: a signal sent as soon as it does must
+    // stop it, not kill it.
+    let stop = stop_signal()?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on http://{}", listener.local_addr()?);
     let stopping = Arc::new(tokio::sync::Notify::new());
@@ -957,7 +960,7 @@ async fn serve(port: u16, app: Router) -> std::io::Result<()> {
     .with_graceful_shutdown({
         let stopping = stopping.clone();
         async move {
-            stop_signal().await;
+            stop.await;
             stopping.notify_one();
         }
     });
@@ -973,26 +976,28 @@ async fn serve(port: u16, app: Router) -> std::io::Result<()> {
     }
 }
 
-/// SIGINT (Ctrl-C) or, on Unix, SIGTERM (what a deploy sends).
-async fn stop_signal() {
+/// SIGINT (Ctrl-C) or, on Unix, SIGTERM (what a deploy sends): listened for from this call on.
+fn stop_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
+        let (mut interrupt, mut terminate) = (
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        );
+        Ok(async move {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
             }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
+        })
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        let ctrl_c = tokio::signal::ctrl_c();
+        Ok(async move {
+            let _ = ctrl_c.await;
+        })
     }
 }
 

@@ -484,6 +484,11 @@ fn trust_and_grouping_that_hand_clients_their_buckets_fail_the_build() {
     for prefix in [32, 48, 56, 64, 128] {
         assert!(layer(prefix).is_ok(), "{prefix}");
     }
+    // As a scope's key too.
+    let scoped = RateLimitLayer::builder(memory_limiter(vec![rule("ip", 1)]))
+        .scope("ip", Scope::new().key(PeerIp::default().ipv6_prefix(0)))
+        .build();
+    assert!(scoped.unwrap_err().to_string().contains("ipv6_prefix"));
 }
 
 #[tokio::test]

@@ -884,6 +884,17 @@ async fn a_form_on_get_is_keyed_by_its_query_as_the_handler_reads_it() {
     );
     let other = send(&app, Method::GET, "/login?user=other", &[]).await;
     assert_eq!(other.status(), StatusCode::OK);
+    // A HEAD's form is its body, as `Form` reads it (axum calls the GET handler with it): a
+    // fresh name in the query hands out no fresh bucket.
+    let head = send_body(
+        &app,
+        Method::HEAD,
+        "/login?user=fresh",
+        &form,
+        b"user=victim".to_vec(),
+    )
+    .await;
+    assert_eq!(head.status(), StatusCode::TOO_MANY_REQUESTS);
 }
 
 /// axum's `Form` reads any content type that starts with `application/x-www-form-urlencoded`
@@ -977,10 +988,12 @@ impl http_body::Body for OpenStream {
 }
 
 /// A body that trickles (here: one byte, then nothing) is answered 408 after the default 10 s,
-/// not held for ever out of reach of every rule inside.
+/// not held for ever out of reach of every rule inside; a per-address rule outside the buffer
+/// counts it (refunded, a trickling client would reconnect for free).
 #[tokio::test(start_paused = true)]
 async fn a_body_that_never_ends_is_answered_408_after_10_s() {
     let limiter = limiter(vec![rule("login", 1)]);
+    let per_address = self::limiter(vec![rule("address", 1)]);
     let app = Router::new()
         .route("/login", post(|body: String| async move { body }))
         .layer(
@@ -989,19 +1002,29 @@ async fn a_body_that_never_ends_is_answered_408_after_10_s() {
                 .build()
                 .unwrap(),
         )
-        .layer(BufferBodyLayer::new(1024));
-    let mut req = Request::post("/login")
-        .header("content-type", "application/json")
-        .body(Body::new(OpenStream(Some(bytes::Bytes::from_static(b"{")))))
-        .unwrap();
-    req.extensions_mut()
-        .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+        .layer(BufferBodyLayer::new(1024))
+        .layer(RateLimitLayer::new(per_address));
+    let trickle = || {
+        let mut req = Request::post("/login")
+            .header("content-type", "application/json")
+            .body(Body::new(OpenStream(Some(bytes::Bytes::from_static(b"{")))))
+            .unwrap();
+        req.extensions_mut()
+            .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));
+        req
+    };
     let started = tokio::time::Instant::now();
-    let r = tokio::time::timeout(Duration::from_secs(60), app.oneshot(req))
+    let r = tokio::time::timeout(Duration::from_secs(60), app.clone().oneshot(trickle()))
         .await
         .expect("still waiting for the body after a minute")
         .unwrap();
     assert_eq!(r.status(), StatusCode::REQUEST_TIMEOUT);
     assert_eq!(started.elapsed(), Duration::from_secs(10));
     assert_eq!(body_json(r).await["error"], "body_timeout");
+    let again = app.oneshot(trickle()).await.unwrap();
+    assert_eq!(
+        again.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the 408 was counted"
+    );
 }

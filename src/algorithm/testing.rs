@@ -319,8 +319,9 @@ proptest! {
         let algorithm = Algorithm::ALL[alg];
         let bursts = matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra);
         let quota = quota_of(algorithm, limit, period_ms, bursts.then_some(burst));
-        // At most one permit a microsecond: GCRA refuses a faster rate (`RateTooHigh`).
-        let other_limit = other_limit.min(other_period_ms * 1_000);
+        // At most one permit every 10 µs: GCRA refuses a faster rate (`RateTooHigh`), and one
+        // its whole-µs interval would slow by more than 10%.
+        let other_limit = other_limit.min(other_period_ms * 100);
         let other = quota_of(algorithm, other_limit, other_period_ms, bursts.then_some(other_burst));
         check_expiry_over(&quota, &other, &arrivals)?;
     }

@@ -55,8 +55,9 @@ pub fn json_field(field: &str) -> BodyField {
 /// form into keeps it (a typed `Form<T>` refuses such a body): counting the first would let
 /// `user=anyone&user=victim` be counted against `anyone` while the handler serves `victim`. Like [`json_field`], it needs a
 /// [`BufferBodyLayer`](crate::layer::BufferBodyLayer) outside the rate-limit layer. On `GET`
-/// and `HEAD` the field is read from the query string, as axum's `Form` reads it there (a
-/// body sent with such a request is ignored by the handler, and by the key).
+/// the field is read from the query string, as axum's `Form` reads it there (a body sent with a
+/// GET is ignored by the handler, and by the key); on every other method, `HEAD` included, from
+/// the body, as `Form` does.
 pub fn form_field(name: &str) -> BodyField {
     BodyField {
         field: Field::Form(name.to_owned()),
@@ -132,9 +133,9 @@ enum Field {
 impl KeyExtractor for BodyField {
     fn extract(&self, parts: &Parts) -> Option<Key> {
         if let Field::Form(name) = &self.field {
-            // axum's `Form` reads a GET's or HEAD's query string, never its body: the key is
-            // what the handler reads.
-            if parts.method == http::Method::GET || parts.method == http::Method::HEAD {
+            // axum's `Form` reads a GET's query string, never its body (a HEAD's body, like
+            // any other method's): the key is what the handler reads.
+            if parts.method == http::Method::GET {
                 let query = parts.uri.query().unwrap_or("");
                 let value = form_urlencoded::parse(query.as_bytes())
                     .filter(|(k, _)| k == name)

@@ -425,6 +425,10 @@ impl PeerIp {
 }
 
 impl KeyExtractor for PeerIp {
+    fn check(&self) -> Result<(), crate::ConfigError> {
+        PeerIp::check(self)
+    }
+
     fn extract(&self, parts: &Parts) -> Option<Key> {
         let peer = self.peer(parts)?;
         let client = self.client(peer, parts);

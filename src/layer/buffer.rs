@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::{verdict::Refused, ResponseBody, Scope};
+use super::{ResponseBody, Scope};
 
 /// The body of a request as [`BufferBodyLayer`] read it, in the request's extensions, for
 /// extractors ([`key::json_field`](crate::key::json_field),
@@ -155,7 +155,8 @@ impl BufferConfig {
             // would wait for the client's last message, which an interactive client sends
             // only after an answer.
             None if super::response::is_grpc(parts) => false,
-            None => is_json(parts) || is_form(parts),
+            // axum's `Form` reads a GET's query, never its body.
+            None => is_json(parts) || (is_form(parts) && parts.method != Method::GET),
         }
     }
 }
@@ -264,14 +265,16 @@ where
     }
 }
 
+/// The answer to a body that cannot be read. Not marked `Refused` (see `verdict`):
+/// a rate-limit layer outside this one counts it as any request it admitted (the client's
+/// fault, not a limit's: refunded, a trickling client would reconnect for free).
 fn refused<B>(status: StatusCode, error: &str) -> Response<ResponseBody<B>> {
-    let mut response = super::response::json(
+    super::response::json(
         status,
         "application/json",
         format!(r#"{{"error":"{error}"}}"#),
-    );
-    response.extensions_mut().insert(Refused);
-    response.map(ResponseBody::full)
+    )
+    .map(ResponseBody::full)
 }
 
 #[cfg(test)]

@@ -229,6 +229,17 @@ impl HeaderStyle {
 }
 
 fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) {
+    // A rule the outage policy decided was not consulted: its figures would be invented. With
+    // none consulted here, an inner layer's lists stand as they are.
+    let consulted = || {
+        rules
+            .iter()
+            .zip(decisions)
+            .filter(|(_, d)| d.source != Source::Policy)
+    };
+    if consulted().next().is_none() {
+        return;
+    }
     // Written into a per-thread buffer and carved from the shared one: no allocation per
     // response once the buffer has grown to the longest list.
     thread_local! {
@@ -245,12 +256,7 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
             text.extend_from_slice(b", ");
         }
         let mut digits = [0u8; 20];
-        // A rule the outage policy decided was not consulted: its figures would be invented.
-        let consulted = rules
-            .iter()
-            .zip(decisions)
-            .filter(|(_, d)| d.source != Source::Policy);
-        for (i, (rule, d)) in consulted.enumerate() {
+        for (i, (rule, d)) in consulted().enumerate() {
             if i > 0 {
                 text.extend_from_slice(b", ");
             }
@@ -375,6 +381,11 @@ mod tests {
         );
         assert_eq!(headers[&RATELIMIT], "\"account\";r=0;t=30");
         assert_eq!(headers[&POLICY], "\"account\";q=10;w=60");
+        // An outer layer whose every rule the policy decided leaves the inner lists as they
+        // are (no trailing separator, no empty item).
+        let inner = headers.clone();
+        HeaderStyle::Ietf.write(&[&ip], &[invented], &refused, &mut headers);
+        assert_eq!(headers, inner);
     }
 
     #[test]

@@ -102,7 +102,8 @@ impl<S: Store, P> LimiterBuilder<S, P> {
     /// The longest a decision may wait for the store (default 50 ms), counted once from the
     /// start of the decision: waiting for another request's refill of a leased key, the lease
     /// call and any second store call all come out of it. When it passes, the store call is
-    /// abandoned (never retried: it may have run) and the outage policy decides.
+    /// abandoned (never retried: it may have run) and the outage policy decides. A Redis
+    /// store's standalone and Sentinel connections give a call 5 s at most, whatever this is.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self

@@ -857,10 +857,10 @@ impl Limiter {
             let mut penalise = std::pin::pin!(inner.penalise(&key, block, None));
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             match std::future::Future::poll(penalise.as_mut(), &mut cx) {
-                std::task::Poll::Ready(true) => {
+                std::task::Poll::Ready(Some(true)) => {
                     wait_out_block(targets, &mut decisions, &key, block)
                 }
-                std::task::Poll::Ready(false) => {}
+                std::task::Poll::Ready(_) => {}
                 std::task::Poll::Pending => {
                     tracing::warn!("fleetlimit: the penalty box could not block a key in process")
                 }
@@ -1277,31 +1277,29 @@ impl Inner {
     /// request's (`None`: a store that cannot fail, waited for whole). The request's deadline
     /// may be nearly spent by its decision; the block is still recorded after the response.
     /// If it cannot be, the penalty box forgets it, so that the key's next refusals count again.
-    /// True when the block was set within the request's deadline.
+    /// True when this block was written, within the request's deadline.
     async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) -> bool {
         let Some(request) = request else {
-            return self.penalise(&key, block, None).await;
+            return self.penalise(&key, block, None).await == Some(true);
         };
         let record = {
             let me = self.me.clone();
             async move {
-                let Some(inner) = me.upgrade() else {
-                    return false;
-                };
+                let inner = me.upgrade()?;
                 let budget = Deadline::after(inner.deadline);
-                let blocked = inner.penalise(&key, block, Some(budget)).await;
-                if !blocked {
+                let written = inner.penalise(&key, block, Some(budget)).await;
+                if written.is_none() {
                     if let Some(penalties) = &inner.penalties {
                         penalties.not_blocked(&key);
                     }
                     tracing::warn!(key = %key, "fleetlimit: the penalty box could not block a key");
                 }
-                blocked
+                written
             }
         };
         match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => matches!(request.run(runtime.spawn(record)).await, Ok(Ok(true))),
-            Err(_) => record.await,
+            Ok(runtime) => matches!(request.run(runtime.spawn(record)).await, Ok(Ok(Some(true)))),
+            Err(_) => record.await == Some(true),
         }
     }
 
@@ -1318,20 +1316,24 @@ impl Inner {
     }
 
     /// Block `key` for `block`, unless an operator's entry says more: a deny-list or
-    /// allow-list entry, or a block that ends later, is never shortened or replaced. False
-    /// when the store could not say or set it. `deadline`: the call goes through the key's
+    /// allow-list entry, or a block that ends later, is never shortened or replaced. `Some(true)`
+    /// when this block was written, `Some(false)` when such an entry stands, `None` when the
+    /// store could not say. `deadline`: the call goes through the key's
     /// breaker within it (`None`: an in-process store, or one that cannot fail, asked
     /// directly), so that an open breaker answers at once, as it does every decision.
-    async fn penalise(&self, key: &Key, block: Duration, deadline: Option<Deadline>) -> bool {
+    async fn penalise(
+        &self,
+        key: &Key,
+        block: Duration,
+        deadline: Option<Deadline>,
+    ) -> Option<bool> {
         // One step in the store: an operator's entry made meanwhile, from any instance, is
         // never overwritten by a block read as missing a moment before.
         let call = self.store.block_unless_listed(key, block);
         let answer = match deadline {
             Some(deadline) => {
                 let rules = self.rules.load();
-                let Some(rule) = rules.first() else {
-                    return false;
-                };
+                let rule = rules.first()?;
                 // Any rule will do: a key's listing lives in its own slot, whatever the rule.
                 let check = Check { rule, key, cost: 1 };
                 self.call_store("penalise", std::slice::from_ref(&check), deadline, call)
@@ -1345,7 +1347,7 @@ impl Inner {
             None => call.await,
         };
         match answer {
-            Ok(false) => true,
+            Ok(false) => Some(false),
             Ok(true) => {
                 self.listing_changed(key);
                 if self.policy.is_some() {
@@ -1353,11 +1355,11 @@ impl Inner {
                     self.listings.set(key, Some(Listing::Block(block)), now);
                 }
                 tracing::info!(key = %key, ?block, "fleetlimit: the penalty box blocked a key");
-                true
+                Some(true)
             }
             Err(error) => {
                 tracing::debug!(key = %key, %error, "fleetlimit: setting a penalty block failed");
-                false
+                None
             }
         }
     }

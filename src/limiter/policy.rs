@@ -244,7 +244,15 @@ fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
 fn share_of(quota: &Quota, servers: u64, round: u64) -> Result<Quota, ConfigError> {
     let part = |n: u64| (n / servers).max(1);
     let limit = quota.limit() / servers;
-    let mut b = Quota::new((limit - limit % round).max(1), quota.period())
+    let mut limit = (limit - limit % round).max(1);
+    if quota.algorithm() == crate::Algorithm::Gcra {
+        // GCRA counts whole µs: the share runs at the rate its rounded-up interval allows, so
+        // that is its limit (a fair share of a million a second among three, 333,333, is one
+        // permit every 4 µs, 250,000; stated as 333,333 it would be refused when built).
+        let interval = quota.period_us().div_ceil(limit);
+        limit = (quota.period_us() / interval).max(1);
+    }
+    let mut b = Quota::new(limit, quota.period())
         .algorithm(quota.algorithm())
         .max_log_len(quota.limit());
     match quota.algorithm() {
@@ -409,6 +417,21 @@ mod tests {
             "the rule's own quota cannot hold it either"
         );
         assert!(local.decide(Op::Consume, &[check(5)])[0].allowed);
+    }
+
+    /// A GCRA rule at a permit a µs shared among three: the share is what a whole-µs interval
+    /// allows (250,000 a second), not a quota refused as slower than it says.
+    #[test]
+    fn a_gcra_share_is_what_its_interval_allows() {
+        let fast = Quota::per_second(1_000_000)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
+        let shared = share(&fast, 3).unwrap();
+        assert_eq!(shared.limit(), 250_000);
+        assert_eq!(shared.emission_us(), 4);
+        let r = Rule::new("fast", fast).unwrap();
+        assert!(Policy::resolve(OnStoreError::LocalShare(3), &[r], &clock()).is_ok());
     }
 
     #[test]

@@ -571,9 +571,10 @@ impl<C> Drop for EndsAttempt<C> {
 
 /// A connection ready for one call.
 /// How long a call on a standalone or Sentinel connection may wait for its answer. Longer
-/// than any decision's deadline and than a call made in the background (a lease nobody waits
-/// for, a give-back: at least a second), which redis-rs's own 500 ms would cut short; finite,
-/// so that calls on a connection that stopped answering do not pile up in it.
+/// than the default decision deadline (50 ms) and than a call made in the background (a lease
+/// nobody waits for, a give-back: at least a second), which redis-rs's own 500 ms would cut
+/// short; finite, so that calls on a connection that stopped answering do not pile up in it. A
+/// limiter deadline above it is cut to it on these connections.
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 enum Ready {
