@@ -424,13 +424,13 @@ async fn logins_are_keyed_by_the_account_in_the_json_body() {
     );
 }
 
-#[tokio::test]
-async fn form_bodies_too_and_chunked_bodies_over_the_limit() {
-    let limiter = limiter(vec![rule("login", 1)]);
-    let app = Router::new()
-        .route("/login", post(|body: String| async move { body }))
+/// `/login` served by `route`, one request per minute for each form's `user` (a missing one
+/// is a 400), bodies buffered up to `max_bytes`.
+fn form_keyed(route: axum::routing::MethodRouter, max_bytes: usize) -> Router {
+    Router::new()
+        .route("/login", route)
         .layer(
-            RateLimitLayer::builder(limiter)
+            RateLimitLayer::builder(limiter(vec![rule("login", 1)]))
                 .scope(
                     "login",
                     Scope::new()
@@ -440,7 +440,12 @@ async fn form_bodies_too_and_chunked_bodies_over_the_limit() {
                 .build()
                 .unwrap(),
         )
-        .layer(BufferBodyLayer::new(64));
+        .layer(BufferBodyLayer::new(max_bytes))
+}
+
+#[tokio::test]
+async fn form_bodies_too_and_chunked_bodies_over_the_limit() {
+    let app = form_keyed(post(|body: String| async move { body }), 64);
     let form = [("content-type", "application/x-www-form-urlencoded")];
     let r = send_body(
         &app,
@@ -833,28 +838,14 @@ async fn a_body_the_handler_accepts_always_has_its_key() {
 /// no form body at all is keyed too.
 #[tokio::test]
 async fn a_form_on_get_is_keyed_by_its_query_as_the_handler_reads_it() {
-    let limiter = limiter(vec![rule("login", 1)]);
-    let app = Router::new()
-        .route(
-            "/login",
-            get(
-                |form: axum::Form<std::collections::HashMap<String, String>>| async move {
-                    form.0.get("user").cloned().unwrap_or_default()
-                },
-            ),
-        )
-        .layer(
-            RateLimitLayer::builder(limiter)
-                .scope(
-                    "login",
-                    Scope::new()
-                        .key(key::form_field("user"))
-                        .on_missing_key(MissingKey::Reject),
-                )
-                .build()
-                .unwrap(),
-        )
-        .layer(BufferBodyLayer::new(4096));
+    let app = form_keyed(
+        get(
+            |form: axum::Form<std::collections::HashMap<String, String>>| async move {
+                form.0.get("user").cloned().unwrap_or_default()
+            },
+        ),
+        4096,
+    );
     let form = [("content-type", "application/x-www-form-urlencoded")];
     let first = send_body(
         &app,
@@ -958,33 +949,15 @@ async fn buffering_leaves_grpc_streams_alone() {
         .layer(BufferBodyLayer::new(16));
     let req = Request::post("/p.S/Chat")
         .header("content-type", "application/grpc+json")
-        .body(Body::new(OpenStream(Some(bytes::Bytes::from(vec![
-            b'{';
-            32
-        ])))))
+        .body(Body::new(support::OpenStream(support::Chunks(vec![
+            vec![b'{'; 32],
+        ]))))
         .unwrap();
     let r = tokio::time::timeout(Duration::from_secs(2), app.oneshot(req))
         .await
         .expect("the handler waited for the end of the stream")
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-}
-
-/// One message of a stream the client keeps open: nothing more ever arrives.
-struct OpenStream(Option<bytes::Bytes>);
-
-impl http_body::Body for OpenStream {
-    type Data = bytes::Bytes;
-    type Error = std::io::Error;
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
-        match self.0.take() {
-            Some(message) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(message)))),
-            None => std::task::Poll::Pending,
-        }
-    }
 }
 
 /// A body that trickles (here: one byte, then nothing) is answered 408 after the default 10 s,
@@ -1007,7 +980,9 @@ async fn a_body_that_never_ends_is_answered_408_after_10_s() {
     let trickle = || {
         let mut req = Request::post("/login")
             .header("content-type", "application/json")
-            .body(Body::new(OpenStream(Some(bytes::Bytes::from_static(b"{")))))
+            .body(Body::new(support::OpenStream(support::Chunks(vec![
+                b"{".to_vec()
+            ]))))
             .unwrap();
         req.extensions_mut()
             .insert(SocketAddr::from(([198, 51, 100, 7], 5555)));

@@ -452,6 +452,15 @@ fn try_status(port: u16, key: &str) -> Option<u16> {
     out.get(9..12)?.parse().ok()
 }
 
+/// Poll `done` every 10 ms until it holds; fail the test after 30 s.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let began = std::time::Instant::now();
+    while !done() {
+        assert!(began.elapsed() < Duration::from_secs(30), "never: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Send SIGTERM (what a deploy sends) and wait for the exit: its status, and how long it took.
 fn terminate(server: &mut Server) -> (std::process::ExitStatus, Duration) {
     let term = Command::new("kill")
@@ -501,14 +510,9 @@ fn a_demo_stopped_by_sigterm_gives_its_leased_permits_back() {
     let leasing = args("1000");
     let mut demo = start(&leasing.iter().map(String::as_str).collect::<Vec<_>>());
     let port = demo.1;
-    let began = std::time::Instant::now();
-    while status(&get(port, Some("warm-up"))) != 200 {
-        assert!(
-            began.elapsed() < Duration::from_secs(10),
-            "never used Redis"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until("Redis answers", || {
+        status(&get(port, Some("warm-up"))) == 200
+    });
     let served = std::sync::Arc::new(AtomicU64::new(0));
     let hot = std::thread::spawn({
         let served = served.clone();
@@ -519,13 +523,9 @@ fn a_demo_stopped_by_sigterm_gives_its_leased_permits_back() {
             }
         }
     });
-    while served.load(Ordering::SeqCst) < 20 {
-        assert!(
-            began.elapsed() < Duration::from_secs(30),
-            "the hot key is not served"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until("the hot key is served", || {
+        served.load(Ordering::SeqCst) >= 20
+    });
     let (exit, _) = terminate(&mut demo);
     assert_eq!(exit.code(), Some(0), "{exit:?}");
     hot.join().unwrap();
@@ -549,14 +549,9 @@ fn a_demo_stopped_by_sigterm_waits_for_a_slow_request_no_longer_than_5_s() {
     let mut demo = start(&["--port", "0", "--concurrency", "10"]);
     let port = demo.1;
     let slow = std::thread::spawn(move || get_path_checked(port, "/?sleep_ms=600000"));
-    let began = std::time::Instant::now();
-    while get_path(port, "/inflight", None).rsplit("\r\n").next() != Some("1") {
-        assert!(
-            began.elapsed() < Duration::from_secs(10),
-            "the slow request never arrived"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("the slow request is in its handler", || {
+        get_path(port, "/inflight", None).rsplit("\r\n").next() == Some("1")
+    });
     let (exit, took) = terminate(&mut demo);
     assert_eq!(exit.code(), Some(0), "{exit:?}");
     assert!(took >= Duration::from_secs(4), "not waited for: {took:?}");

@@ -21,3 +21,21 @@ impl http_body::Body for Chunks {
         std::task::Poll::Ready(next.map(|c| Ok(http_body::Frame::data(bytes::Bytes::from(c)))))
     }
 }
+
+/// These chunks, then nothing ever again: a client that keeps its stream open.
+pub struct OpenStream(pub Chunks);
+
+impl http_body::Body for OpenStream {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        match std::pin::Pin::new(&mut self.0).poll_frame(cx) {
+            std::task::Poll::Ready(None) => std::task::Poll::Pending,
+            frame => frame,
+        }
+    }
+}
