@@ -220,10 +220,43 @@ async fn a_ca_with_sentinel_is_refused_not_dropped() {
     }
 }
 
+/// A server that asks for a password: the right one connects; none, or a wrong one, is a
+/// configuration error when the store is built (it was a warning, and every decision then
+/// followed the outage policy for good), and the message never shows the password.
+#[tokio::test]
+async fn refused_credentials_are_a_configuration_error() {
+    let server = RedisServer::start();
+    server
+        .cmd(&["CONFIG", "SET", "requirepass", "s3cret-pw"])
+        .unwrap();
+    let port = server.port();
+    for url in [
+        format!("redis://127.0.0.1:{port}"),
+        format!("redis://:not-the-pw@127.0.0.1:{port}"),
+    ] {
+        let refused = RedisStore::connect(&url).await;
+        let message = format!("{refused:?}");
+        assert!(
+            matches!(
+                &refused,
+                Err(fleetlimit::Error::Config(
+                    fleetlimit::ConfigError::Invalid { setting: "url", .. }
+                ))
+            ) && message.contains("credentials"),
+            "{url}: {message}"
+        );
+        assert!(!message.contains("not-the-pw"), "{message}");
+    }
+    let good = RedisStore::connect(&format!("redis://:s3cret-pw@127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    assert!(consume(&good, "authorised").await.unwrap());
+}
+
 /// A master that asks for a password, found through a Sentinel: its credentials go to the
 /// master (the Sentinel's URL has none), and decisions are the store's. Without them, the
-/// master refuses every call (redis-rs reached the master with no password, whatever the
-/// Sentinel URLs said).
+/// master refuses the store, which says so when built (redis-rs reached the master with no
+/// password, whatever the Sentinel URLs said).
 #[tokio::test]
 async fn sentinel_reaches_a_master_that_asks_for_a_password() {
     let master = RedisServer::start();
@@ -246,13 +279,12 @@ async fn sentinel_reaches_a_master_that_asks_for_a_password() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let without = RedisStore::builder()
-        .sentinel(&[&url], "guarded")
-        .await
-        .unwrap();
-    for _ in 0..5 {
-        assert!(consume(&without, "guarded").await.is_err());
-    }
+    // Without them, the master refuses the store: a configuration error when it is built.
+    let without = RedisStore::builder().sentinel(&[&url], "guarded").await;
+    assert!(
+        format!("{without:?}").contains("credentials"),
+        "{without:?}"
+    );
 }
 
 /// A master, a replica and three Sentinels. Under load, the master is killed: decisions follow

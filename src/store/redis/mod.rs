@@ -892,12 +892,15 @@ impl RedisStoreBuilder {
 }
 
 impl RedisStore {
-    /// Connect now if Redis answers: a server that is too old is a configuration error; one that
+    /// Connect now if Redis answers: a server that is too old, or that refuses the credentials
+    /// (a wrong password, or none where one is needed), is a configuration error; one that
     /// does not answer is only a warning.
     async fn try_first_connection(&self) -> Result<(), Error> {
         match self.inner.connection().await {
             Ok(_) => Ok(()),
-            Err(StoreError::Script(reason)) if reason.starts_with(TOO_OLD) => {
+            Err(StoreError::Script(reason))
+                if reason.starts_with(TOO_OLD) || reason.starts_with(CREDENTIALS_REFUSED) =>
+            {
                 Err(ConfigError::Invalid {
                     setting: "url",
                     reason,
@@ -963,6 +966,17 @@ fn no_certificates() -> redis::TlsCertificates {
 /// How a too-old server is reported.
 const TOO_OLD: &str = "the server runs Redis";
 
+/// How an error that Redis refused the credentials begins (a configuration error when the store
+/// is built, not an outage).
+const CREDENTIALS_REFUSED: &str = "Redis refused the credentials";
+
+/// Whether Redis refused the connection's credentials: a wrong password, or none where one is
+/// needed.
+fn credentials_refused(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+}
+
 /// Refuse a server older than [`MIN_REDIS_VERSION`], with a clear error.
 /// A server that cannot answer `INFO` (a cluster node down) is not refused for that: only a
 /// version read and found too old is.
@@ -973,9 +987,10 @@ async fn check_version(
     // Within `limit`: a hung node never answers, and is not refused for that either.
     let mut cmd = redis::cmd("INFO");
     cmd.arg("server");
-    let info = tokio::time::timeout(limit, cmd.query_async::<redis::Value>(conn));
-    let Ok(Ok(info)) = info.await else {
-        return Ok(());
+    let info = match tokio::time::timeout(limit, cmd.query_async::<redis::Value>(conn)).await {
+        Ok(Ok(info)) => info,
+        Ok(Err(e)) if credentials_refused(&e) => return Err(store_error(e)),
+        _ => return Ok(()),
     };
     // A cluster answers one text per node: every node must be recent enough.
     let mut texts = Vec::new();
@@ -1425,7 +1440,9 @@ pub(crate) fn algorithm_code(a: Algorithm) -> u8 {
 }
 
 fn store_error(e: RedisError) -> StoreError {
-    if e.is_timeout() {
+    if credentials_refused(&e) {
+        StoreError::Script(format!("{CREDENTIALS_REFUSED}: {e}"))
+    } else if e.is_timeout() {
         StoreError::Timeout(Duration::ZERO)
     } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
         StoreError::Connection(e.to_string())
