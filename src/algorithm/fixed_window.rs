@@ -19,6 +19,9 @@
 //! the hour's count. A refund does not lower a held count (it errs on the safe side).
 
 use super::{never, receipt, us};
+
+/// The most a held count holds: 2^52, above every limit (2^50 at most), exact in Lua.
+pub(crate) const MAX_HELD: u64 = 1 << 52;
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -54,20 +57,23 @@ impl FixedWindow {
                 self.valid_from = now;
             }
             let old_end = self.start + self.period;
-            if now >= old_end {
-                self.count = 0;
-            } else if old_end > window + period {
-                // A shorter period: the old window still counts this count after the new one
-                // ends. (A held count from a longer window yet counts it already.)
-                self.held = self.held.max(self.count);
-                self.held_until = self.held_until.max(old_end);
-            }
-            if self.held_until != 0 && self.held_until <= window + period {
-                // A held count whose window ends within this one is this one's.
-                self.count = self.count.max(self.held);
+            let end = window + period;
+            // The new window counts what the old one still counts (a shorter period carries
+            // its count into this window too: refused until it ends, not let go early) and
+            // what a held count holds (over-counting, never under: its window may have begun
+            // before this one).
+            let still = if now < old_end { self.count } else { 0 };
+            let count = still.max(self.held);
+            // Counts whose windows outlast this one are held until they end.
+            if self.held_until <= end {
                 self.held = 0;
                 self.held_until = 0;
             }
+            if still > 0 && old_end > end {
+                self.held = self.held.max(still);
+                self.held_until = self.held_until.max(old_end);
+            }
+            self.count = count;
             self.start = window;
             self.period = period;
         }
@@ -97,12 +103,19 @@ impl FixedWindow {
         self.taken(now, cost)
     }
 
-    /// Count `n` permits taken at `now`: in this window, and in a longer one that holds a count.
+    /// Count `n` permits taken at `now`: in this window, and in a longer one that holds a count
+    /// (up to [`MAX_HELD`]: every limit is far below it, and Lua's numbers stay exact).
     pub(crate) fn count_now(&mut self, now: u64, n: u64) {
         self.count += n;
         if self.held_until > now {
-            self.held += n;
+            self.held = self.held.saturating_add(n).min(MAX_HELD);
         }
+    }
+
+    /// Whether this state holds a longer window's count (evicted, that window would find the
+    /// key fresh).
+    pub(crate) fn holds(&self) -> bool {
+        self.held > 0
     }
 
     /// A receipt for `cost` permits counted at `now`, in the current window.
@@ -279,6 +292,70 @@ mod tests {
         // Once the hour is over, nothing is held.
         m.advance_ms(3_510_000);
         assert!(m.with_quota(&hour).consume(100).allowed);
+    }
+
+    /// Periods that do not nest (10 and 15 minutes): a window of either counts what the other
+    /// admitted while it lasts, so it holds at most the two limits together (before: A's window
+    /// found its own count dropped, and took 10 more on top of 16).
+    #[test]
+    fn periods_that_do_not_nest_keep_each_others_counts() {
+        let ten = quota(10, 600_000);
+        let fifteen = quota(15, 900_000);
+        let minute = |m: u64| T0 + m * 60_000_000;
+        let mut a = Sim::new(&ten, minute(10));
+        assert!(a.consume(10).allowed);
+        let mut b = a.with_quota(&fifteen);
+        b.now = minute(12);
+        assert!(b.consume(5).allowed, "15 in B's window [0, 15)");
+        assert!(!b.consume(1).allowed);
+        b.now = minute(15) + 30_000_000;
+        assert!(b.consume(1).allowed, "B's own next window");
+        let mut back = b.with_quota(&ten);
+        back.now = minute(16);
+        let d = back.consume(1);
+        assert!(!d.allowed, "A's window [10, 20) holds 16: {d:?}");
+        assert_eq!(d.retry_after, Some(ms(240_000)));
+    }
+
+    /// Three periods, rolled one after the other (a day's 1,000, then an hour's 100, then a
+    /// minute's 10): the day's count is held through both, and the hour never starts afresh
+    /// while the minute writes.
+    #[test]
+    fn a_days_count_is_held_through_an_hour_and_a_minute() {
+        let day = quota(1_000, 86_400_000);
+        let hour = quota(100, 3_600_000);
+        let minute = quota(10, 60_000);
+        let at = |h: u64, m: u64| T0 + (h * 60 + m) * 60_000_000;
+        let mut d = Sim::new(&day, at(9, 0));
+        assert!(d.consume(950).allowed);
+        let mut h = d.with_quota(&hour);
+        h.now = at(10, 0);
+        assert!(
+            !h.consume(1).allowed,
+            "the day's 950 carried into this hour"
+        );
+        let mut m = h.with_quota(&minute);
+        m.now = at(12, 5);
+        assert!(
+            !m.consume(1).allowed,
+            "the held count carried into this minute"
+        );
+        m.now = at(12, 6);
+        assert!(m.consume(10).allowed, "the minute's own next window");
+        let mut h = m.with_quota(&hour);
+        h.now = at(12, 6) + 40_000_000;
+        assert!(
+            !h.consume(1).allowed,
+            "the hour reads the day's count, not a fresh hour"
+        );
+        let mut d = h.with_quota(&day);
+        d.now = at(12, 10);
+        let back = d.consume(1);
+        assert_eq!(
+            back.remaining,
+            1_000 - 960 - 1,
+            "the day's 950, the minute's 10, and this one"
+        );
     }
 
     proptest! {

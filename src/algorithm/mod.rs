@@ -105,6 +105,12 @@ impl State {
         (!decision.allowed).then_some(decision)
     }
 
+    /// Whether this state holds a longer window's count (a fixed window after a shorter
+    /// period's conversion): evicted, that window would find the key fresh.
+    pub(crate) fn holds_a_longer_window(&self) -> bool {
+        matches!(self, State::FixedWindow(s) if s.holds())
+    }
+
     /// Whether `decide` would convert this state, written under another quota.
     pub(crate) fn converts(&self, now: u64, quota: &Quota) -> bool {
         match self {

@@ -1009,10 +1009,18 @@ impl Shard {
         if self.table.len() >= capacity {
             let keep = capacity - capacity / 8;
             let wanted = self.table.len() + 1 - keep.max(1);
+            // A state holding a longer window's count is kept as if used up.
+            let used = |e: &Entry| {
+                if e.state.holds_a_longer_window() {
+                    u16::MAX
+                } else {
+                    e.used.load(Ordering::Relaxed)
+                }
+            };
             let mut evictable: Vec<u16> = self
                 .table
                 .iter()
-                .map(|e| e.used.load(Ordering::Relaxed))
+                .map(used)
                 .filter(|&u| u <= EVICTABLE)
                 .collect();
             let drop = wanted.min(evictable.len());
@@ -1022,7 +1030,7 @@ impl Shard {
                 let below = evictable.iter().filter(|&&u| u < threshold).count();
                 let mut at_threshold = drop - below;
                 self.table.retain(|e| {
-                    let used = *e.used.get_mut();
+                    let used = used(e);
                     if used < threshold {
                         false
                     } else if used == threshold && at_threshold > 0 {
@@ -1969,6 +1977,38 @@ mod tests {
                 "shared lock: {shared_lock}: evicted, and given the new limit again"
             );
         }
+    }
+
+    /// A key whose hour was converted to a minute (a rolling change of the period) holds the
+    /// hour's count in a state that looks barely used (its minute rolled on): a spray of keys
+    /// must not evict it, which would give the hour back whole.
+    #[test]
+    fn a_state_holding_a_longer_windows_count_is_not_evicted() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let hour = ten_an_hour(Algorithm::FixedWindow);
+        let minute = Rule::new(
+            "r",
+            Quota::per_minute(100)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let k = Key::new("k");
+        assert!(s.apply_now(Op::Consume, &one(&hour, &k, 10))[0].allowed);
+        clock.advance(Duration::from_secs(30));
+        assert!(s.apply_now(Op::Consume, &one(&minute, &k, 1))[0].allowed);
+        // The next minute: its own count 0, the hour's 11 held.
+        clock.advance(Duration::from_secs(60));
+        assert!(s.apply_now(Op::Consume, &one(&minute, &k, 1))[0].allowed);
+        let short = rule("short", Algorithm::FixedWindow, 10);
+        spray(&s, &short, 6);
+        clock.advance(Duration::from_secs(1));
+        assert!(
+            !s.apply_now(Op::Consume, &one(&hour, &k, 1))[0].allowed,
+            "evicted, and the hour given back whole"
+        );
     }
 
     /// Keys sharing a full shard's overflow state: a peek under another quota of the rule (an

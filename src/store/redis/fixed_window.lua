@@ -25,19 +25,21 @@ function fixed_window.decide(st, now, q, cost)
       st.valid_from = now
     end
     local old_end = st.start + st.period
-    if now >= old_end then
-      st.count = 0
-    elseif old_end > window + period then
-      -- A shorter period: the old window still counts this count after the new one ends.
-      st.held = math.max(st.held, st.count)
-      st.held_until = math.max(st.held_until, old_end)
-    end
-    if st.held_until ~= 0 and st.held_until <= window + period then
-      -- A held count whose window ends within this one is this one's.
-      st.count = math.max(st.count, st.held)
+    local window_end = window + period
+    -- The new window counts what the old one still counts and what a held count holds.
+    local still = 0
+    if now < old_end then still = st.count end
+    local count = math.max(still, st.held)
+    -- Counts whose windows outlast this one are held until they end.
+    if st.held_until <= window_end then
       st.held = 0
       st.held_until = 0
     end
+    if still > 0 and old_end > window_end then
+      st.held = math.max(st.held, still)
+      st.held_until = math.max(st.held_until, old_end)
+    end
+    st.count = count
     st.start = window
     st.period = period
   end
@@ -65,7 +67,8 @@ end
 -- Count n permits taken at now: in this window, and in a longer one that holds a count.
 local function fw_count_now(st, now, n)
   st.count = st.count + n
-  if st.held_until > now then st.held = st.held + n end
+  -- Up to 2^52: above every limit, and exact.
+  if st.held_until > now then st.held = math.min(st.held + n, 4503599627370496) end
 end
 
 function fixed_window.commit(st, now, q, cost)
