@@ -253,6 +253,28 @@ async fn refused_credentials_are_a_configuration_error() {
     assert!(consume(&good, "authorised").await.unwrap());
 }
 
+/// A cluster whose nodes ask for a password refuses a store without it: a configuration error
+/// when built, as on a standalone server.
+#[tokio::test]
+async fn a_cluster_refusing_the_credentials_is_a_configuration_error() {
+    let cluster = support::redis::RedisCluster::start();
+    for node in cluster.nodes() {
+        node.cmd(&["CONFIG", "SET", "requirepass", "s3cret-pw"])
+            .unwrap();
+    }
+    let urls = cluster.urls();
+    let wrong: Vec<String> = urls
+        .iter()
+        .map(|u| u.replacen("redis://", "redis://:not-the-pw@", 1))
+        .collect();
+    for urls in [urls, wrong] {
+        let refused = RedisStore::builder().cluster(&urls).await;
+        let message = format!("{refused:?}");
+        assert!(message.contains("credentials"), "{urls:?}: {message}");
+        assert!(!message.contains("not-the-pw"), "{message}");
+    }
+}
+
 /// A master that asks for a password, found through a Sentinel: its credentials go to the
 /// master (the Sentinel's URL has none), and decisions are the store's. Without them, the
 /// master refuses the store, which says so when built (redis-rs reached the master with no

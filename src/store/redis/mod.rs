@@ -975,6 +975,10 @@ const CREDENTIALS_REFUSED: &str = "Redis refused the credentials";
 fn credentials_refused(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::AuthenticationFailed
         || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+        // A cluster's first connection wraps the nodes' refusals in an I/O error, kept only in
+        // its text ("Failed to create initial connections - Io: Password authentication
+        // failed - AuthenticationFailed").
+        || (e.kind() == redis::ErrorKind::Io && e.to_string().contains("AuthenticationFailed"))
 }
 
 /// Refuse a server older than [`MIN_REDIS_VERSION`], with a clear error.
