@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use fleetlimit::store::{Listing, Op, RedisStore, DENY_RETRY_AFTER};
 use fleetlimit::{Algorithm, Key, Limiter, ManualClock, MemoryStore, OnStoreError, Quota, Rule};
+use support::admitted;
 use support::redis::RedisServer;
 
 /// 2025-01-01T00:00:00Z in µs: aligned to every whole-second period.
@@ -95,14 +96,6 @@ async fn each_backend(test: impl AsyncFn(Backend, ManualClock, &'static str)) {
     test(Backend::Memory(memory), clock, "memory").await;
     let clock = ManualClock::new(T0);
     test(Backend::Redis(RedisServer::start()), clock, "redis").await;
-}
-
-async fn admitted(limiter: &Limiter, key: &Key, tries: usize) -> usize {
-    let mut n = 0;
-    for _ in 0..tries {
-        n += usize::from(limiter.consume(key, 1).await.unwrap().allowed);
-    }
-    n
 }
 
 async fn remaining(limiter: &Limiter, key: &Key) -> Vec<u64> {

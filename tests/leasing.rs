@@ -256,14 +256,25 @@ async fn one_lease_request_per_key_in_flight() {
     assert_eq!(l.stats().lease_calls, 2);
 }
 
+/// A limiter of a hot rule (ten million a minute, by `algorithm`) leased in blocks of `block`,
+/// each valid 10 s.
+async fn leased_in_blocks(
+    server: &RedisServer,
+    clock: &ManualClock,
+    algorithm: Algorithm,
+    block: u64,
+) -> Limiter {
+    let hot = rule(10_000_000, Duration::from_secs(60), algorithm);
+    let config = LeaseConfig::fixed(block).max_validity(Duration::from_secs(10));
+    limiter(server, clock, hot, Some(config)).await
+}
+
 #[tokio::test]
 async fn redis_calls_per_decision_are_at_most_one_per_block() {
     const BLOCK: u64 = 100;
     let server = RedisServer::start();
     let clock = ManualClock::new(T0);
-    let hot = rule(10_000_000, Duration::from_secs(60), Algorithm::TokenBucket);
-    let config = LeaseConfig::fixed(BLOCK).max_validity(Duration::from_secs(10));
-    let l = limiter(&server, &clock, hot, Some(config)).await;
+    let l = leased_in_blocks(&server, &clock, Algorithm::TokenBucket, BLOCK).await;
     let key = Key::new("k");
     // Load the script first (a fresh server answers the first EVALSHA with NOSCRIPT).
     l.peek(&Key::new("warm-up")).await.unwrap();
@@ -292,9 +303,7 @@ async fn a_listed_hot_key_takes_one_store_call_per_request() {
     const BLOCK: u64 = 100;
     let server = RedisServer::start();
     let clock = ManualClock::new(T0);
-    let hot = rule(10_000_000, Duration::from_secs(60), Algorithm::FixedWindow);
-    let config = LeaseConfig::fixed(BLOCK).max_validity(Duration::from_secs(10));
-    let l = limiter(&server, &clock, hot, Some(config)).await;
+    let l = leased_in_blocks(&server, &clock, Algorithm::FixedWindow, BLOCK).await;
     let key = Key::new("vip");
     for _ in 0..BLOCK * 3 {
         assert!(l.consume(&key, 1).await.unwrap().allowed);
@@ -340,9 +349,7 @@ async fn a_listing_set_here_stops_the_block_at_once() {
     const BLOCK: u64 = 100;
     let server = RedisServer::start();
     let clock = ManualClock::new(T0);
-    let hot = rule(10_000_000, Duration::from_secs(60), Algorithm::FixedWindow);
-    let config = LeaseConfig::fixed(BLOCK).max_validity(Duration::from_secs(10));
-    let l = limiter(&server, &clock, hot, Some(config)).await;
+    let l = leased_in_blocks(&server, &clock, Algorithm::FixedWindow, BLOCK).await;
     for (name, list) in [("deny", 0), ("block", 1)] {
         let key = Key::new(format!("vip-{name}"));
         for _ in 0..BLOCK * 3 + 1 {

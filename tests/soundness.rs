@@ -285,10 +285,7 @@ async fn a_refund_for_a_key_with_its_own_quota_keeps_its_quota() {
         clock.set(T0 + 10 * 60_000_000);
         limiter.refund(first.unwrap()).await.unwrap();
         clock.set(T0 + 10 * 60_000_000 + 64_000_000);
-        let mut admitted = 0;
-        for _ in 0..20 {
-            admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
-        }
+        let admitted = support::admitted(&limiter, &tenant, 20).await;
         assert_eq!(
             admitted, 1,
             "{name}: only the refunded permit is there again"
@@ -401,6 +398,24 @@ async fn a_huge_count_read_under_a_year_long_window_refuses() {
     .await;
 }
 
+/// A limiter whose rule "api" is 100 a minute by `algorithm`, with tenant-7 on its own plan of
+/// 50 an hour (an override): the limiter, the tenant, and the hour's quota.
+async fn tenant_on_an_hour(
+    backend: &Backend,
+    clock: &ManualClock,
+    algorithm: Algorithm,
+) -> (Limiter, Key, Quota) {
+    let quota = |q: fleetlimit::QuotaBuilder| q.algorithm(algorithm).build().unwrap();
+    let base = Rule::new("api", quota(Quota::per_minute(100))).unwrap();
+    let limiter = backend.limiter(base, clock).await;
+    let tenant = Key::new("tenant-7");
+    let hour = quota(Quota::per_hour(50));
+    limiter
+        .set_override("api", &tenant, Some(hour.clone()))
+        .unwrap();
+    (limiter, tenant, hour)
+}
+
 /// A peek or an inspection reads a key under the rule's own quota when the key's real one is
 /// decided per request (`Scope::quota`, a tenant's plan) or passing (a rolling change): it
 /// must write nothing. Converted, the hour's permits would move into a minute that ends, and
@@ -416,14 +431,7 @@ async fn a_peek_under_another_quota_converts_nothing() {
         ("inspect", Algorithm::SlidingLog),
     ] {
         each_backend(async |backend, clock, name| {
-            let quota = |q: fleetlimit::QuotaBuilder| q.algorithm(algorithm).build().unwrap();
-            let base = Rule::new("api", quota(Quota::per_minute(100))).unwrap();
-            let limiter = backend.limiter(base, &clock).await;
-            let tenant = Key::new("tenant-7");
-            let hour = quota(Quota::per_hour(50));
-            limiter
-                .set_override("api", &tenant, Some(hour.clone()))
-                .unwrap();
+            let (limiter, tenant, hour) = tenant_on_an_hour(&backend, &clock, algorithm).await;
             assert!(limiter.consume(&tenant, 50).await.unwrap().allowed);
             clock.set(T0 + 60_000_000);
             limiter.set_override("api", &tenant, None).unwrap();
@@ -434,10 +442,7 @@ async fn a_peek_under_another_quota_converts_nothing() {
             }
             limiter.set_override("api", &tenant, Some(hour)).unwrap();
             clock.set(T0 + 130_000_000);
-            let mut admitted = 0;
-            for _ in 0..20 {
-                admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
-            }
+            let admitted = support::admitted(&limiter, &tenant, 20).await;
             assert_eq!(
                 admitted, 0,
                 "{name}, {read}, {algorithm:?}: the hour's 50 are spent"
@@ -457,14 +462,7 @@ async fn a_refund_under_a_passing_quota_converts_nothing() {
     // admitted); it must forget none of the others under the minute's period.
     for (algorithm, given_back) in [(Algorithm::default(), 0), (Algorithm::SlidingLog, 1)] {
         each_backend(async |backend, clock, name| {
-            let quota = |q: fleetlimit::QuotaBuilder| q.algorithm(algorithm).build().unwrap();
-            let base = Rule::new("api", quota(Quota::per_minute(100))).unwrap();
-            let limiter = backend.limiter(base, &clock).await;
-            let tenant = Key::new("tenant-7");
-            let hour = quota(Quota::per_hour(50));
-            limiter
-                .set_override("api", &tenant, Some(hour.clone()))
-                .unwrap();
+            let (limiter, tenant, hour) = tenant_on_an_hour(&backend, &clock, algorithm).await;
             let (_, x) = limiter.consume_with_receipt(&tenant, 1).await.unwrap();
             assert!(limiter.consume(&tenant, 49).await.unwrap().allowed);
             clock.set(T0 + 60_000_000);
@@ -472,10 +470,7 @@ async fn a_refund_under_a_passing_quota_converts_nothing() {
             limiter.refund(x.unwrap()).await.unwrap();
             limiter.set_override("api", &tenant, Some(hour)).unwrap();
             clock.set(T0 + 130_000_000);
-            let mut admitted = 0;
-            for _ in 0..20 {
-                admitted += u64::from(limiter.consume(&tenant, 1).await.unwrap().allowed);
-            }
+            let admitted = support::admitted(&limiter, &tenant, 20).await;
             assert_eq!(
                 admitted, given_back,
                 "{name}, {algorithm:?}: the hour's 50 are spent"

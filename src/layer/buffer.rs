@@ -115,6 +115,7 @@ impl BufferBodyLayer {
     /// with `{"error":"body_timeout"}`. Every rate-limit decision inside waits for the body: a
     /// client trickling bytes would otherwise hold a connection and up to `max_bytes` of memory
     /// for as long as it likes, out of reach of every rule (its per-address rule included).
+    /// A zero timeout answers 408 to any body not already whole when the request arrives.
     pub fn read_timeout(mut self, timeout: std::time::Duration) -> Self {
         Arc::make_mut(&mut self.config).read_timeout = timeout;
         self

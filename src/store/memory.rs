@@ -1923,8 +1923,6 @@ mod tests {
         );
     }
 
-    /// A fixed window of 10 an hour, named "r".
-    /// Rule "r": 10 an hour, by `algorithm`.
     /// 16 keys of `rule` (a spray), each taking `cost`.
     fn spray(s: &MemoryStore, rule: &Rule, cost: u64) {
         for i in 0..16u32 {
@@ -1932,6 +1930,13 @@ mod tests {
         }
     }
 
+    /// A spray that fills a 16-key store with keys past half their quota (6 of 10): none of
+    /// them can be evicted, so the next new key evicts whatever can be.
+    fn spray_busy_keys(s: &MemoryStore) {
+        spray(s, &rule("short", Algorithm::FixedWindow, 10), 6);
+    }
+
+    /// Rule "r": 10 an hour, by `algorithm`.
     fn ten_an_hour(algorithm: Algorithm) -> Rule {
         Rule::new(
             "r",
@@ -1969,8 +1974,7 @@ mod tests {
             }
             assert!(!s.apply_now(Op::Consume, &one(&lowered, &k, 1))[0].allowed);
             clock.advance(Duration::from_millis(1));
-            let short = rule("short", Algorithm::FixedWindow, 10);
-            spray(&s, &short, 6);
+            spray_busy_keys(&s);
             clock.advance(Duration::from_secs(1));
             assert!(
                 !s.apply_now(Op::Consume, &one(&lowered, &k, 1))[0].allowed,
@@ -2002,8 +2006,7 @@ mod tests {
         // The next minute: its own count 0, the hour's 11 held.
         clock.advance(Duration::from_secs(60));
         assert!(s.apply_now(Op::Consume, &one(&minute, &k, 1))[0].allowed);
-        let short = rule("short", Algorithm::FixedWindow, 10);
-        spray(&s, &short, 6);
+        spray_busy_keys(&s);
         clock.advance(Duration::from_secs(1));
         assert!(
             !s.apply_now(Op::Consume, &one(&hour, &k, 1))[0].allowed,
@@ -2045,8 +2048,7 @@ mod tests {
         clock.advance(Duration::from_millis(1));
         // Keys that used more than half cannot be evicted; `k`, at half, is the one that goes.
         // They expire a second later, leaving room for `k` to come back in the same hour.
-        let short = rule("short", Algorithm::FixedWindow, 10);
-        spray(&s, &short, 6);
+        spray_busy_keys(&s);
         clock.advance(Duration::from_secs(1));
         let mut admitted = 0;
         while s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed {
@@ -2138,14 +2140,13 @@ mod tests {
         let clock = ManualClock::new(1_735_689_600_000_000);
         let s = store(&clock, 16);
         let log = ten_an_hour(Algorithm::SlidingLog);
-        let short = rule("short", Algorithm::FixedWindow, 10);
         let k = Key::new("k");
         let receipt = s.apply_now(Op::Consume, &one(&log, &k, 1))[0]
             .taken
             .unwrap();
         // Keys that used more than half push `k` out; in the same microsecond, a new key is
         // counted in the overflow state.
-        spray(&s, &short, 6);
+        spray_busy_keys(&s);
         assert!(s.apply_now(Op::Consume, &one(&log, &Key::new("x"), 1))[0].allowed);
         // Once they expire, `k` comes back as a copy of the overflow.
         clock.advance(Duration::from_secs(1));

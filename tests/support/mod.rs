@@ -5,6 +5,15 @@
 
 pub mod redis;
 
+/// How many of `tries` consumes of one permit `limiter` admits for `key`.
+pub async fn admitted(limiter: &fleetlimit::Limiter, key: &fleetlimit::Key, tries: usize) -> usize {
+    let mut n = 0;
+    for _ in 0..tries {
+        n += usize::from(limiter.consume(key, 1).await.unwrap().allowed);
+    }
+    n
+}
+
 /// A request body sent as these chunks, one frame each, with no declared length (as a chunked
 /// upload arrives).
 pub struct Chunks(pub Vec<Vec<u8>>);
