@@ -122,8 +122,8 @@ impl Unclaimed {
 
 impl Drop for Unclaimed {
     fn drop(&mut self) {
-        // An error answer holds no receipt to give back through: a lease that ran after
-        // redis-rs's own response timeout is lost, as a consume that ran after its deadline is.
+        // An error answer holds no receipt to give back through: a lease that ran after the
+        // connection's response timeout is lost, as a consume that ran after its deadline is.
         let Some(LeaseAnswer {
             lease: Ok(lease),
             inner,
@@ -145,9 +145,13 @@ impl Drop for Unclaimed {
 }
 
 /// How long a store call made in the background (a lease nobody may wait for, a give-back)
-/// may take: many decision deadlines, at least a second.
+/// may take: many decision deadlines, and longer than a connection waits for an answer. A lease
+/// sent runs when Redis gets to it, as late as that; cut off sooner, its block would be taken
+/// with nobody left to give it back.
 fn background_bound(deadline: Duration) -> Duration {
-    deadline.saturating_mul(20).max(Duration::from_secs(1))
+    deadline
+        .saturating_mul(20)
+        .max(crate::store::RESPONSE_TIMEOUT + Duration::from_secs(1))
 }
 
 /// A key in leased mode.

@@ -20,7 +20,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, RedisError, Script};
 
-use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store};
+use super::{BoxFuture, Check, Lease, Listing, Op, Refund, SlotOp, Store, RESPONSE_TIMEOUT};
 use crate::algorithm::us;
 use crate::decision::ByListing;
 use crate::error::{ConfigError, Error};
@@ -570,13 +570,6 @@ impl<C> Drop for EndsAttempt<C> {
 }
 
 /// A connection ready for one call.
-/// How long a call on a standalone or Sentinel connection may wait for its answer. Longer
-/// than the default decision deadline (50 ms) and than a call made in the background (a lease
-/// nobody waits for, a give-back: at least a second), which redis-rs's own 500 ms would cut
-/// short; finite, so that calls on a connection that stopped answering do not pile up in it. A
-/// limiter deadline above it is cut to it on these connections.
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
-
 enum Ready {
     Single(ConnectionManager),
     /// As the connector holds it: a call that finds a node dead forgets this one, not a newer.
@@ -791,6 +784,7 @@ impl RedisStoreBuilder {
             #[allow(unused_mut)]
             let mut builder = redis::cluster::ClusterClient::builder(nodes)
                 .connection_timeout(connect_timeout)
+                .response_timeout(RESPONSE_TIMEOUT)
                 .retries(0);
             #[cfg(feature = "tls")]
             if let Some(certificates) = &certificates {
