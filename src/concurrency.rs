@@ -121,7 +121,8 @@ impl std::fmt::Debug for ConcurrencyLimiter {
 /// Builder for [`ConcurrencyLimiter`]. On a store that can fail, `build` exists once
 /// [`on_store_error`](ConcurrencyLimiterBuilder::on_store_error) is chosen: `FailOpen` admits
 /// without a slot, `FailClosed` refuses (503), `Local`/`LocalShare(n)` hold slots in this
-/// process (the limit divided by `n`).
+/// process (the limit divided by `n`; its requests in flight on the store's slots count against
+/// it).
 #[must_use = "a builder does nothing until `build` is called"]
 pub struct ConcurrencyLimiterBuilder<S, P = PolicyUnset> {
     store: S,
@@ -191,7 +192,23 @@ impl ConcurrencyLimiter {
             Ok((true, _)) => {
                 pending.armed = false;
                 inner.answered();
-                Acquired::Held(Slot::held(self.inner.clone(), key.clone(), id, sent))
+                // The local fallback counts it too: requests in flight on the store's slots
+                // when it stops answering are still in flight, and the local limit is this
+                // process's whole share, not a share on top of them.
+                let mirrored = match &inner.fallback {
+                    Some(Fallback::Local { store, .. }) => {
+                        store.slots_now(SlotOp::Acquire, &inner.name, key, id, u64::MAX, LOCAL_TTL);
+                        Some(store.clone())
+                    }
+                    _ => None,
+                };
+                Acquired::Held(Slot::held(
+                    self.inner.clone(),
+                    key.clone(),
+                    id,
+                    sent,
+                    mirrored,
+                ))
             }
             Ok((false, in_flight)) => {
                 pending.armed = false;
@@ -221,7 +238,7 @@ impl ConcurrencyLimiter {
             },
             Some(Fallback::Local { store, limit }) => {
                 let name = &self.inner.name;
-                let ttl = Duration::MAX / 4;
+                let ttl = LOCAL_TTL;
                 // A caller's share of the limit (load shedding) holds in the fallback too, as
                 // the same fraction of this process's slots.
                 let limit = &local_share(*limit, share, self.inner.limit);
@@ -356,6 +373,9 @@ fn local_share(local: u64, share: u64, limit: u64) -> u64 {
     }
 }
 
+/// A slot in the local fallback lives until its holder drops it (which gives it back at once).
+const LOCAL_TTL: Duration = Duration::from_secs(u32::MAX as u64);
+
 /// An acquisition whose answer is not in: gives its slot back when dropped armed.
 struct Pending<'a> {
     inner: &'a Arc<Inner>,
@@ -432,6 +452,8 @@ enum Held {
         id: u64,
         /// Dropped (with the slot) to have the renewing task give the slot back.
         renewal: Option<tokio::sync::oneshot::Sender<()>>,
+        /// The local fallback that counts it too, for an outage while it is held.
+        mirrored: Option<MemoryStore>,
     },
     /// In this process's fallback.
     Local {
@@ -461,7 +483,13 @@ impl Slot {
     /// for a ttl, for nobody. (One exception: a renewal abandoned at its timeout on a pooled
     /// or Sentinel connection, which is then replaced, can still land after the release.)
     /// `sent`: when the acquisition was sent, from which the slot's ttl may already run.
-    fn held(limiter: Arc<Inner>, key: Key, id: u64, sent: tokio::time::Instant) -> Slot {
+    fn held(
+        limiter: Arc<Inner>,
+        key: Key,
+        id: u64,
+        sent: tokio::time::Instant,
+        mirrored: Option<MemoryStore>,
+    ) -> Slot {
         let renewal = tokio::runtime::Handle::try_current().ok().map(|runtime| {
             let (limiter, key) = (limiter.clone(), key.clone());
             let (dropped, mut released) = tokio::sync::oneshot::channel::<()>();
@@ -511,6 +539,7 @@ impl Slot {
                 key,
                 id,
                 renewal,
+                mirrored,
             },
         }
     }
@@ -541,7 +570,11 @@ impl Drop for Slot {
                 key,
                 id,
                 renewal,
+                mirrored,
             } => {
+                if let Some(local) = mirrored {
+                    local.slots_now(SlotOp::Release, &limiter.name, &key, id, 0, Duration::ZERO);
+                }
                 // Its renewing task gives it back (dropping the sender tells it to).
                 if renewal.is_none() {
                     release_later(limiter, key, id);

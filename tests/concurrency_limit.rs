@@ -327,6 +327,43 @@ async fn an_acquisition_dropped_in_flight_gives_its_slot_back() {
         .expect("the dropped acquisition's slot is still held");
 }
 
+/// The local fallback is this process's whole share: requests in flight on Redis's slots when
+/// it stops answering still count (they were once forgotten, and a process held its share
+/// twice over: the demo's `--concurrency 2 --on-store-error local` ran 4 at once). Defaults
+/// apart from the policy and a deadline a paused Redis can be waited out within.
+#[tokio::test]
+async fn the_local_fallback_counts_the_slots_held_in_redis() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    let limiter = ConcurrencyLimiter::builder(store, "in-flight", 2)
+        .on_store_error(OnStoreError::LocalShare(1))
+        .deadline(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let key = Key::new("tenant");
+    let first = limiter.acquire(&key).await;
+    assert!(matches!(first, Acquired::Held(_)), "{first:?}");
+    redis.pause();
+    let second = limiter.acquire(&key).await;
+    assert!(matches!(second, Acquired::Held(_)), "{second:?}");
+    let third = limiter.acquire(&key).await;
+    assert!(
+        matches!(
+            third,
+            Acquired::Full {
+                limit: 2,
+                in_flight: 2
+            }
+        ),
+        "one on Redis and one local fill the local share: {third:?}"
+    );
+    // The Redis slot's end frees its place in the fallback at once.
+    drop(first);
+    let fourth = limiter.acquire(&key).await;
+    assert!(matches!(fourth, Acquired::Held(_)), "{fourth:?}");
+    redis.resume();
+}
+
 /// Failing closed while Redis is away, the 503's `Retry-After` is the policy's wait in whole
 /// seconds, rounded up (1.5 s is 2, never the earlier 1).
 #[tokio::test]
