@@ -169,6 +169,23 @@ impl ConcurrencyLimiter {
     pub(crate) async fn acquire_within(&self, key: &Key, limit: u64) -> Acquired {
         let inner = &self.inner;
         let id = slot_id();
+        // Driven by another executor than Tokio's, no task can renew a slot: an in-process
+        // store holds it until its holder drops it (which gives it back on the spot).
+        if tokio::runtime::Handle::try_current().is_err() {
+            let name = &inner.name;
+            let answer =
+                inner
+                    .store
+                    .slots_in_process(SlotOp::Acquire, name, key, id, limit, LOCAL_TTL);
+            match answer {
+                Some((true, _)) => {
+                    let sent = tokio::time::Instant::now();
+                    return Acquired::Held(Slot::held(inner.clone(), key.clone(), id, sent, None));
+                }
+                Some((false, in_flight)) => return Acquired::Full { limit, in_flight },
+                None => {}
+            }
+        }
         // Until the store's answer is in, the call may have taken the slot: if the deadline
         // passes, or this future is dropped (the client went away, an outer timeout), the slot
         // is given back.
@@ -897,7 +914,8 @@ mod tests {
 
     /// Driven by another executor than Tokio's, a slot on the memory store has no task to
     /// renew it; given back when dropped all the same, on the spot, rather than held for its
-    /// ttl by nobody.
+    /// ttl by nobody; and held while its request runs, past the ttl (it once expired then, and
+    /// a second request got in).
     #[test]
     fn a_slot_dropped_outside_a_runtime_is_given_back() {
         let clock = crate::ManualClock::default();
@@ -926,6 +944,15 @@ mod tests {
                 panic!("the memory store answers at once, and the slot is free");
             };
             assert_eq!(in_flight(), 1);
+            clock.advance(DEFAULT_SLOT_TTL * 2);
+            let mut again = std::pin::pin!(limiter.acquire(&key));
+            assert!(
+                matches!(
+                    again.as_mut().poll(&mut cx),
+                    std::task::Poll::Ready(Acquired::Full { .. })
+                ),
+                "held past its ttl while its request runs"
+            );
             drop(slot);
             assert_eq!(in_flight(), 0, "given back at once");
         }
