@@ -614,7 +614,7 @@ impl Drop for Slot {
 /// extractor (else the peer address, as [`RateLimitLayer`](crate::RateLimitLayer) does); a
 /// request over the limit gets `429` (or the status you choose) with `Retry-After: 1` and
 /// `RateLimit-Policy: "<name>";q=<limit>;qu="concurrent-requests"`, gRPC calls
-/// `RESOURCE_EXHAUSTED`. The slot is held until the response body ends or is dropped.
+/// `RESOURCE_EXHAUSTED` (the wait in `grpc-retry-pushback-ms`). The slot is held until the response body ends or is dropped.
 #[derive(Clone)]
 pub struct ConcurrencyLimitLayer {
     config: Arc<LayerConfig>,
@@ -766,10 +766,7 @@ where
                 }
                 Acquired::Unavailable { retry_after } => {
                     let mut r = crate::layer::unavailable(grpc, StatusCode::SERVICE_UNAVAILABLE);
-                    // Whole seconds, rounded up: never earlier than the wait.
-                    let secs = crate::algorithm::ceil_secs(retry_after).max(1);
-                    r.headers_mut()
-                        .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+                    crate::layer::retry_after(&mut r, retry_after, grpc);
                     return Ok(r.map(ResponseBody::full));
                 }
             };
@@ -790,8 +787,8 @@ fn refusal(config: &LayerConfig, limit: u64, grpc: bool) -> Response<Bytes> {
             format!(r#"{{"error":"too_many_concurrent_requests","limit":{limit}}}"#),
         )
     };
+    crate::layer::retry_after(&mut response, Duration::from_secs(1), grpc);
     let headers = response.headers_mut();
-    headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
     if let Ok(v) =
         HeaderValue::from_str(&format!("\"{name}\";q={limit};qu=\"concurrent-requests\""))
     {

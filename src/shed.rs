@@ -12,7 +12,8 @@
 //!   traffic, one step at a time, and steps back down one level per second once below 80% of
 //!   the target (hysteresis: no cliff either way). Critical requests are never shed by it.
 //!
-//! A shed request gets `503 Service Unavailable` with `Retry-After: 1` (gRPC `UNAVAILABLE`), and
+//! A shed request gets `503 Service Unavailable` with `Retry-After: 1` (gRPC `UNAVAILABLE`, the
+//! wait also in `grpc-retry-pushback-ms`), and
 //! a [`Shed`] extension saying why, for outer middleware and logs.
 //!
 //! ```
@@ -38,7 +39,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::request::Parts;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -520,11 +521,7 @@ fn shed_response(
             r#"{"error":"overloaded"}"#.to_owned(),
         ),
     };
-    // Whole seconds, rounded up: never earlier than the wait.
-    let secs = crate::algorithm::ceil_secs(retry_after).max(1);
-    response
-        .headers_mut()
-        .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+    crate::layer::retry_after(&mut response, retry_after, grpc);
     response.extensions_mut().insert(Shed { priority, reason });
     response
 }

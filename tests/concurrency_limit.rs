@@ -248,6 +248,7 @@ async fn a_body_dropped_mid_stream_frees_its_slot() {
     let refused = app.clone().oneshot(req(true)).await.unwrap();
     assert_eq!(refused.status(), StatusCode::OK);
     assert_eq!(refused.headers()["grpc-status"], "8");
+    assert_eq!(refused.headers()["grpc-retry-pushback-ms"], "1000");
     drop(body);
     all_free(&limiter).await;
 }

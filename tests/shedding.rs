@@ -316,8 +316,11 @@ async fn an_outage_failing_closed_sheds_with_the_policys_wait() {
         if grpc {
             assert_eq!(response.status(), StatusCode::OK);
             assert_eq!(response.headers()["grpc-status"], "14");
+            // gRPC clients read this, not `Retry-After`: the wait to the millisecond.
+            assert_eq!(response.headers()["grpc-retry-pushback-ms"], "29500");
         } else {
             assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+            assert!(!response.headers().contains_key("grpc-retry-pushback-ms"));
         }
     }
 }

@@ -47,6 +47,25 @@ pub(crate) fn grpc_refusal(
     r
 }
 
+/// When a refusal by another fleetlimit layer (concurrency, shedding) may be tried again:
+/// `Retry-After` in whole seconds, rounded up (never earlier than the wait, at least 1), and
+/// for a gRPC call `grpc-retry-pushback-ms` too, which gRPC clients read where they ignore
+/// `Retry-After` (without it a client retrying `UNAVAILABLE` comes back after its own short
+/// backoff, onto an overloaded fleet).
+pub(crate) fn retry_after(
+    response: &mut http::Response<bytes::Bytes>,
+    wait: std::time::Duration,
+    grpc: bool,
+) {
+    let secs = crate::algorithm::ceil_secs(wait).max(1);
+    let headers = response.headers_mut();
+    headers.insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+    if grpc {
+        let ms = headers::ceil_millis(wait).clamp(1, u64::from(i32::MAX.unsigned_abs()));
+        headers.insert(response::GRPC_PUSHBACK.clone(), http::HeaderValue::from(ms));
+    }
+}
+
 /// A refusal by another fleetlimit layer, as JSON, marked for the layers outside.
 pub(crate) fn json_refusal(status: http::StatusCode, body: String) -> http::Response<bytes::Bytes> {
     let mut r = response::json(status, "application/json", body);

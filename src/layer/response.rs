@@ -47,7 +47,7 @@ impl fmt::Debug for Denial {
 
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
-static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+pub(crate) static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 
 /// Whether the request is a gRPC call: a `POST` with `content-type: application/grpc…`. Any
 /// client can send the content type; a `GET` with it is still answered as HTTP (a gRPC denial
