@@ -213,6 +213,61 @@ async fn allowed_keys_are_never_limited_and_denied_keys_always_refused() {
     .await;
 }
 
+/// A block never ends a deny (the key stays denied after it), and a block of zero ends a
+/// block and nothing else: it once took the key off both lists, so an operator's
+/// `block(key, 0)` un-denied a banned client, and a minute's block on a denied key set it free
+/// a minute later. A block does take a key off the allow list (the operator's latest word).
+#[tokio::test]
+async fn a_block_never_ends_a_deny_and_a_zero_block_only_ends_a_block() {
+    each_backend(async |backend, clock, name| {
+        let a = backend.instance(&clock).await;
+        let banned = Key::new("banned");
+        a.deny(&banned).await.unwrap();
+        a.block(&banned, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(
+            a.inspect(&banned).await.unwrap().listing,
+            Some(Listing::Deny),
+            "{name}"
+        );
+        clock.advance(Duration::from_secs(61));
+        assert_eq!(admitted(&a, &banned, 1).await, 0, "{name}: still denied");
+        a.block(&banned, Duration::ZERO).await.unwrap();
+        assert_eq!(
+            admitted(&a, &banned, 1).await,
+            0,
+            "{name}: a zero block un-denies nothing"
+        );
+
+        let vip = Key::new("vip");
+        a.allow(&vip).await.unwrap();
+        a.block(&vip, Duration::ZERO).await.unwrap();
+        assert_eq!(
+            a.inspect(&vip).await.unwrap().listing,
+            Some(Listing::Allow),
+            "{name}"
+        );
+        a.block(&vip, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(
+            admitted(&a, &vip, 1).await,
+            0,
+            "{name}: the block replaces the allow"
+        );
+        clock.advance(Duration::from_secs(61));
+        assert_eq!(a.inspect(&vip).await.unwrap().listing, None, "{name}");
+
+        let blocked = Key::new("blocked");
+        a.block(&blocked, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(admitted(&a, &blocked, 1).await, 0, "{name}");
+        a.block(&blocked, Duration::ZERO).await.unwrap();
+        assert_eq!(
+            admitted(&a, &blocked, 1).await,
+            1,
+            "{name}: the block ended"
+        );
+    })
+    .await;
+}
+
 /// A blocked key refuses a request on several rules and keys (per account AND per IP) as a
 /// whole: nothing is taken from the other key.
 #[tokio::test]

@@ -252,10 +252,13 @@ async fn differential(
                                 0 => Some(Listing::Allow),
                                 1 => Some(Listing::Deny),
                                 2 | 3 => Some(Listing::Block(block)),
+                                // Ends a block, nothing else.
+                                4 => Some(Listing::Block(Duration::ZERO)),
                                 _ => None,
                             };
-                            memory.set_listing(key, listing).await.unwrap();
-                            redis.set_listing(key, listing).await.unwrap();
+                            let expected = memory.set_listing(key, listing).await.unwrap();
+                            let got = redis.set_listing(key, listing).await.unwrap();
+                            assert_eq!(got, expected, "{algorithm} step {step}: set {listing:?}");
                             format!("listing {listing:?}")
                         }
                         1 => {

@@ -718,11 +718,11 @@ impl Limiter {
     }
 
     /// Refuse `key` under every rule for `duration`, for the whole fleet, with a `Retry-After`
-    /// counting down to the end of the block. Nothing is counted while it lasts.
+    /// counting down to the end of the block. Nothing is counted while it lasts. A block
+    /// replaces an earlier block (longer or shorter) and takes the key off the allow list, but
+    /// never ends a [`deny`](Limiter::deny): a denied key stays denied. A `duration` of zero
+    /// ends a block and nothing else (the allow and deny lists stay as they are).
     pub async fn block(&self, key: &Key, duration: Duration) -> Result<(), Error> {
-        if duration.is_zero() {
-            return self.unblock(key).await;
-        }
         self.set_listing(key, Some(Listing::Block(duration))).await
     }
 
@@ -745,7 +745,7 @@ impl Limiter {
 
     async fn set_listing(&self, key: &Key, listing: Option<Listing>) -> Result<(), Error> {
         let deadline = Deadline::after(self.inner.deadline);
-        deadline
+        let listing = deadline
             .run(self.inner.store.set_listing(key, listing))
             .await??;
         self.inner.listing_changed(key);

@@ -1280,14 +1280,22 @@ impl Store for MemoryStore {
         &'a self,
         key: &'a Key,
         listing: Option<Listing>,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+    ) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         let now = self.inner.clock.now_us();
         let mut listings = self.inner.listings.lock();
-        match listing {
-            None => {
+        let current = listings.get(key).copied();
+        match (listing, current) {
+            (None, _) => {
                 listings.remove(key);
             }
-            Some(l) => {
+            // The deny stands; a block of zero ends a block, nothing else.
+            (Some(Listing::Block(_)), Some(Listed::Deny)) => {}
+            (Some(Listing::Block(d)), current) if d.as_micros() == 0 => {
+                if !matches!(current, Some(Listed::Allow)) {
+                    listings.remove(key);
+                }
+            }
+            (Some(l), _) => {
                 let held = match l {
                     Listing::Allow => Listed::Allow,
                     Listing::Deny => Listed::Deny,
@@ -1297,7 +1305,13 @@ impl Store for MemoryStore {
             }
         }
         self.inner.settle_listings(&mut listings, now);
-        Box::pin(std::future::ready(Ok(())))
+        drop(listings);
+        let in_force = self.inner.listed(key, now).map(|l| match l {
+            Listed::Allow => Listing::Allow,
+            Listed::Deny => Listing::Deny,
+            Listed::Until(t) => Listing::Block(Duration::from_micros(t - now)),
+        });
+        Box::pin(std::future::ready(Ok(in_force)))
     }
 
     fn block_unless_listed<'a>(

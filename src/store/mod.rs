@@ -252,12 +252,14 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
     }
 
     /// Put `key` on the allow list, the deny list or block it (`Some`), or take it off
-    /// (`None`), for every rule, for the whole fleet.
+    /// (`None`), for every rule, for the whole fleet; the entry in force after the call. A block
+    /// never replaces a deny-list entry (the deny stands), and a block of zero ends a block
+    /// and nothing else; a block replaces an allow-list entry.
     fn set_listing<'a>(
         &'a self,
         key: &'a Key,
         listing: Option<Listing>,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    ) -> BoxFuture<'a, Result<Option<Listing>, StoreError>>;
 
     /// `key`'s entry, if it has one in force (a block that ended has none).
     fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>>;

@@ -110,7 +110,7 @@ impl Store for Link {
         &'a self,
         key: &'a Key,
         listing: Option<Listing>,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+    ) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         self.store.set_listing(key, listing)
     }
 

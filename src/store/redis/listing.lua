@@ -2,7 +2,8 @@
 --
 -- KEYS[1]: the key's listing key ({key}:listing, in the key's slot).
 -- ARGV[1]: 'get' | 'allow' | 'deny' | 'block' | 'clear' | 'penalty' (a block unless an
---          allow or deny entry, or a block ending no sooner, is there)
+--          allow or deny entry, or a block ending no sooner, is there). A 'block' never
+--          replaces a deny entry, and one of length 0 ends a block, nothing else.
 -- ARGV[2]: now in µs, or '' to read the server's clock (the one apply.lua reads).
 -- ARGV[3]: for 'block' and 'penalty', its length in µs.
 -- Stored: 'allow', 'deny', or the block's end in µs (expiring with it).
@@ -27,7 +28,14 @@ if op == 'allow' or op == 'deny' then
   redis.call('SET', KEYS[1], op)
   return { op, 0 }
 elseif op == 'block' then
+  local v = redis.call('GET', KEYS[1])
+  if v == 'deny' then return { 'deny', 0 } end
   local len = tonumber(ARGV[3])
+  if len == 0 then
+    if v == 'allow' then return { 'allow', 0 } end
+    redis.call('DEL', KEYS[1])
+    return { 'none', 0 }
+  end
   redis.call('SET', KEYS[1], string.format('%d', now + len), 'PX', math.max(1, math.ceil(len / 1000)))
   return { 'block', len }
 elseif op == 'clear' then

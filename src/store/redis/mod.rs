@@ -1983,18 +1983,18 @@ impl Store for RedisStore {
         &'a self,
         key: &'a Key,
         listing: Option<Listing>,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
+    ) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         Box::pin(async move {
             let (op, block_us) = match listing {
                 None => ("clear", 0),
                 Some(Listing::Allow) => ("allow", 0),
                 Some(Listing::Deny) => ("deny", 0),
-                Some(Listing::Block(d)) => (
-                    "block",
-                    d.as_micros().clamp(1, u128::from(u64::MAX / 4)) as u64,
-                ),
+                // Under a µs is no block (as zero is): the script ends a block then.
+                Some(Listing::Block(d)) => {
+                    ("block", d.as_micros().min(u128::from(u64::MAX / 4)) as u64)
+                }
             };
-            self.inner.listing(key, op, block_us).await.map(|_| ())
+            self.inner.listing(key, op, block_us).await
         })
     }
 
