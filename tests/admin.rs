@@ -299,6 +299,45 @@ async fn a_blocked_key_takes_nothing_from_the_others_in_its_request() {
     .await;
 }
 
+/// An operator's unblock of a penalty block lets the key's refusals count again at once: they
+/// went uncounted until the lifted block's end (2 minutes here), so a client unblocked early
+/// by hand could hammer for that long with no new block.
+#[tokio::test]
+async fn refusals_after_an_operators_unblock_count_at_once() {
+    use fleetlimit::Penalty;
+    each_backend(async |backend, clock, name| {
+        let penalty = Penalty::new(3, Duration::from_secs(10), Duration::from_secs(120));
+        let rule = Rule::new(
+            "api",
+            Quota::per_minute(1)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let a = backend.penalised(&clock, rule, penalty).await;
+        let key = Key::new("hammer");
+        assert_eq!(admitted(&a, &key, 4).await, 1, "{name}");
+        assert!(
+            matches!(
+                a.inspect(&key).await.unwrap().listing,
+                Some(Listing::Block(_))
+            ),
+            "{name}: three refusals earn a block"
+        );
+        a.unblock(&key).await.unwrap();
+        assert_eq!(admitted(&a, &key, 3).await, 0, "{name}");
+        assert!(
+            matches!(
+                a.inspect(&key).await.unwrap().listing,
+                Some(Listing::Block(_))
+            ),
+            "{name}: three refusals after the unblock earn a block again"
+        );
+    })
+    .await;
+}
+
 /// A key refused 3 times within 10 s is blocked for 2 minutes, then 4, on every instance,
 /// with a `Retry-After` that says so.
 #[tokio::test]

@@ -749,6 +749,9 @@ impl Limiter {
             .run(self.inner.store.set_listing(key, listing))
             .await??;
         self.inner.listing_changed(key);
+        if let Some(penalties) = &self.inner.penalties {
+            penalties.forget(key);
+        }
         if self.inner.policy.is_some() {
             // Only a store that can fail has outages to remember listings for.
             let now = self.inner.clock.now_us();
