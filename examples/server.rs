@@ -1129,6 +1129,20 @@ impl Reloader {
     /// a new limiter on the same store (so every rule keeps its state in the store).
     fn put_in_force(&self, running: &RuleSet, set: &RuleSet) -> Result<(), String> {
         let (running, rules) = (&running.rules, &set.rules);
+        // A state's format is its algorithm's: under another algorithm a rule would start
+        // every key afresh (a new quota's worth at once), as `set_quotas` refuses to.
+        for old in running {
+            if let Some(new) = rules.iter().find(|r| r.name() == old.name()) {
+                if new.quota().algorithm() != old.quota().algorithm() {
+                    return Err(format!(
+                        "rule \"{}\" changes its algorithm ({} to {}), which would start every key afresh; give it a new name to change it",
+                        old.name(),
+                        old.quota().algorithm(),
+                        new.quota().algorithm()
+                    ));
+                }
+            }
+        }
         let same_shape = running.len() == rules.len()
             && running.iter().zip(rules).all(|(a, b)| {
                 a.name() == b.name() && a.quota().algorithm() == b.quota().algorithm()

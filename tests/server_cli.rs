@@ -712,6 +712,39 @@ fn the_rules_file_is_reloaded_when_it_changes_and_an_invalid_one_is_ignored() {
     );
 }
 
+/// A rule that changes its algorithm in the rules file is rejected, the running rules kept: its
+/// states are its algorithm's, so the new one would have started every key afresh (a client
+/// that had spent its 2 an hour got 2 more at once, and the log called it a quota change).
+#[test]
+fn a_rules_file_changing_a_rules_algorithm_is_rejected() {
+    let rules = RulesFile::new("algorithm", &rule_text(2));
+    let mut server = start(&["--port", "0", "--rules", rules.path()]);
+    let log = collect_stderr(&mut server);
+    let port = server.1;
+    assert_eq!(status(&get(port, Some("a"))), 200);
+    assert_eq!(status(&get(port, Some("a"))), 200);
+    rules.write(&rule_text(2).replace("fixed-window", "sliding-window"));
+    let written = std::time::Instant::now();
+    while !log.lock().unwrap().contains("rules file rejected") {
+        assert!(
+            written.elapsed() < Duration::from_secs(3),
+            "no log line about the rejected file: {}",
+            log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        log.lock().unwrap().contains("changes its algorithm"),
+        "{}",
+        log.lock().unwrap()
+    );
+    assert_eq!(
+        status(&get(port, Some("a"))),
+        429,
+        "the spent quota stays spent"
+    );
+}
+
 /// A rules file rewritten in place (`cat new.toml > rules.toml`, an editor saving in place) is
 /// read half-written for a moment: that is never applied (here it would drop the second rule),
 /// only the complete file, once two polls read it alike.
