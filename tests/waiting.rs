@@ -145,6 +145,75 @@ async fn a_caller_behind_a_longer_sleep_is_refused_at_once() {
     assert!(head.await.unwrap().unwrap().allowed);
 }
 
+/// Behind a caller asleep in line, a caller is answered for its own cost: one that can never
+/// fit is refused at once, told never (it waited for its turn first, and then, with a short
+/// budget, was told to come back in 100 ms, the wait of a cost of 1); a cost of 2 of a token
+/// bucket drained is told its own wait; a cost of 0 is an error, as for `consume`.
+#[tokio::test(start_paused = true)]
+async fn a_caller_behind_others_is_answered_for_its_own_cost() {
+    let limiter = limiter();
+    let key = Key::new("api.partner.example");
+    let start = Instant::now();
+    assert!(limiter.consume(&key, 1).await.unwrap().allowed);
+    let head = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
+    };
+    tokio::task::yield_now().await;
+    for budget in [Duration::from_millis(50), Duration::from_secs(10)] {
+        let d = limiter.until_ready(&key, 2, budget).await.unwrap();
+        assert!(d.never_admissible(), "{budget:?}: {d:?}");
+        assert_eq!(
+            start.elapsed(),
+            Duration::ZERO,
+            "{budget:?}: no wait in vain"
+        );
+    }
+    assert!(matches!(
+        limiter.until_ready(&key, 0, Duration::from_secs(1)).await,
+        Err(fleetlimit::Error::InvalidCost(0))
+    ));
+    assert!(head.await.unwrap().unwrap().allowed);
+
+    // A token bucket of 10 a second, drained: ten take a second, not the 100 ms of one.
+    let bucket = Limiter::builder(
+        MemoryStore::builder()
+            .clock(TokioClock {
+                start: Instant::now(),
+            })
+            .build()
+            .unwrap(),
+    )
+    .rule(
+        Rule::new(
+            "partner",
+            Quota::per_second(10)
+                .algorithm(Algorithm::TokenBucket)
+                .build()
+                .unwrap(),
+        )
+        .unwrap(),
+    )
+    .build()
+    .unwrap();
+    assert!(bucket.consume(&key, 10).await.unwrap().allowed);
+    let head = {
+        let (bucket, key) = (bucket.clone(), key.clone());
+        tokio::spawn(async move { bucket.until_ready(&key, 1, Duration::from_secs(1)).await })
+    };
+    tokio::task::yield_now().await;
+    let d = bucket
+        .until_ready(&key, 10, Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    assert!(
+        d.retry_after >= Some(Duration::from_secs(1)),
+        "ten tokens take a second: {d:?}"
+    );
+    assert!(head.await.unwrap().unwrap().allowed);
+}
+
 /// Callers waiting their turn are not clients hammering a limit: the refusals they wait out
 /// never reach the penalty box (three within a minute would block the destination for the
 /// whole fleet). A refusal a caller is given, because its budget is too short, still counts.

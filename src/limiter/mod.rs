@@ -481,7 +481,9 @@ impl Limiter {
     /// the shared quota holds. Nobody polls the store: the caller at the head of the line
     /// sleeps until the time the store named, then asks once. The refusals a caller waits out
     /// are not counted as requests' (in the metrics, the heavy hitters and the penalty box);
-    /// the refusal it returns is. Cancellation-safe: a dropped future holds no place in the
+    /// the refusal it returns is, unless it is given because the callers ahead in this
+    /// process's line use the whole wait (the line's, not the caller's excess). A `cost` of
+    /// zero is an [`Error::InvalidCost`], as for [`consume`](Limiter::consume). Cancellation-safe: a dropped future holds no place in the
     /// line, and no permit, except on a shared store when it is dropped while its store call
     /// is on the way (the store may have taken that call's permits: at most one call's).
     ///
@@ -508,15 +510,29 @@ impl Limiter {
         cost: u64,
         max_wait: Duration,
     ) -> Result<Decision, Error> {
+        if cost == 0 {
+            return Err(Error::InvalidCost(0));
+        }
+        let targets = self.every_rule(key, cost);
+        // A cost a quota can never admit is the store's to answer at once (an allow-listed
+        // key admits it), never after a wait in line for nothing.
+        let never_fits = self.with_rules_for(&targets, |rules| {
+            rules.iter().any(|r| cost > r.quota().capacity())
+        });
+        if never_fits {
+            return most_restrictive(self.apply_indexed(Op::Consume, &targets).await?);
+        }
         let give_up = waiting::after(max_wait);
         let place = self.inner.lines.join(key);
         let turn = match place.turn_by(give_up).await {
             Ok(turn) => turn,
             Err(head_wake) => {
                 // The callers ahead use the whole wait: a denial taking nothing, with the
-                // store's view of when a permit would come (callers still ahead may take it
-                // first), and never before the head of the line wakes.
-                let mut now = self.peek(key).await?;
+                // store's view of when this cost would be admitted (callers still ahead may
+                // take it first), and never before the head of the line wakes. Not counted as
+                // a request's refusal: it is this process's line, not the caller's excess.
+                let decisions = self.apply_indexed(Op::Peek, &targets).await?;
+                let mut now = most_restrictive(decisions)?;
                 now.allowed = false;
                 let ahead = head_wake.map_or(Duration::ZERO, |wake| {
                     wake.saturating_duration_since(tokio::time::Instant::now())
@@ -525,7 +541,6 @@ impl Limiter {
                 return Ok(now);
             }
         };
-        let targets = self.every_rule(key, cost);
         loop {
             // A refusal waited out is not counted as a request's (in the metrics, the heavy
             // hitters and the penalty box): the caller waits its turn, it does not hammer.
