@@ -177,12 +177,23 @@ const MAX_LEASED_KEYS: usize = 4_096;
 /// How often the sweeper looks for quiet keys and expired blocks.
 const SWEEP_EVERY: Duration = Duration::from_millis(50);
 
+/// The keys whose rate is tracked for promotion, and when they were last swept.
+#[derive(Default)]
+struct Candidates {
+    rates: HashMap<SlotKey, RateMeter>,
+    /// The second of the last sweep of a full map: one a second at most, since a sweep frees
+    /// only keys not seen this second or the last (a spray of new keys once paid a sweep of
+    /// all 10,000 each, under this lock, every request).
+    swept: Option<u64>,
+    sweeps: u64,
+}
+
 /// The leasing state of a limiter.
 pub(crate) struct Leases {
     configs: Box<[Option<LeaseConfig>]>,
     slots: ArcSwap<HashMap<SlotKey, Arc<Slot>>>,
     /// Rates of keys not (yet) leased, for promotion; bounded.
-    candidates: Mutex<HashMap<SlotKey, RateMeter>>,
+    candidates: Mutex<Candidates>,
     sweeper: AtomicBool,
     lease_calls: AtomicU64,
     /// Counts the limiter's quota changes ([`Leases::quotas_changed`]).
@@ -194,7 +205,7 @@ impl Leases {
         Leases {
             configs,
             slots: ArcSwap::from_pointee(HashMap::new()),
-            candidates: Mutex::new(HashMap::new()),
+            candidates: Mutex::new(Candidates::default()),
             sweeper: AtomicBool::new(false),
             lease_calls: AtomicU64::new(0),
             generation: AtomicU64::new(0),
@@ -253,8 +264,8 @@ impl Leases {
     /// Keep the rate of a key leaving leased mode among the promotion candidates.
     fn remember_rate(&self, key: SlotKey, rate: &RateMeter) {
         let mut candidates = self.candidates.lock().unwrap_or_else(|e| e.into_inner());
-        if candidates.len() < MAX_CANDIDATES {
-            candidates.insert(key, rate.snapshot());
+        if candidates.rates.len() < MAX_CANDIDATES {
+            candidates.rates.insert(key, rate.snapshot());
         }
     }
 
@@ -263,18 +274,27 @@ impl Leases {
         if config.block.is_some() {
             return true;
         }
-        let mut candidates = self.candidates.lock().unwrap_or_else(|e| e.into_inner());
-        if candidates.len() >= MAX_CANDIDATES && !candidates.contains_key(key) {
-            // Forget keys not seen this second or the last.
+        let mut guard = self.candidates.lock().unwrap_or_else(|e| e.into_inner());
+        let candidates = &mut *guard;
+        if candidates.rates.len() >= MAX_CANDIDATES && !candidates.rates.contains_key(key) {
+            // Forget keys not seen this second or the last, once a second.
             let second = now / 1_000_000;
-            candidates.retain(|_, m| m.last_second() + 1 >= second);
-            if candidates.len() >= MAX_CANDIDATES {
+            if candidates.swept.is_some_and(|s| s >= second) {
+                return false;
+            }
+            candidates.swept = Some(second);
+            candidates.sweeps += 1;
+            candidates
+                .rates
+                .retain(|_, m| m.last_second() + 1 >= second);
+            if candidates.rates.len() >= MAX_CANDIDATES {
                 return false;
             }
         }
-        let hot = candidates.entry(key.clone()).or_default().tick(now) >= config.promote_at;
+        let rates = &mut candidates.rates;
+        let hot = rates.entry(key.clone()).or_default().tick(now) >= config.promote_at;
         if hot {
-            candidates.remove(key);
+            rates.remove(key);
         }
         hot
     }
@@ -754,6 +774,31 @@ mod tests {
     use crate::{Algorithm, Clock, Limiter, ManualClock, MemoryStore, OnStoreError};
 
     const T0: u64 = 1_735_689_600_000_000;
+
+    /// A spray of new keys against a full candidate map sweeps it once a second, not once a
+    /// key (each sweep visits all 10,000): 20,000 keys within one second, one sweep; the next
+    /// second, one more, which frees the keys not seen since the second before.
+    #[test]
+    fn a_spray_of_keys_sweeps_the_candidates_once_a_second() {
+        let leases = Leases::new(vec![Some(LeaseConfig::auto())].into_boxed_slice());
+        let config = LeaseConfig::auto();
+        let key = |i: u64| -> SlotKey { (0, Key::new(format!("k{i}"))) };
+        for i in 0..20_000 {
+            assert!(!leases.promote(&config, &key(i), T0));
+        }
+        let sweeps = || leases.candidates.lock().unwrap().sweeps;
+        assert_eq!(sweeps(), 1);
+        for i in 20_000..30_000 {
+            leases.promote(&config, &key(i), T0 + 1_000_000);
+        }
+        assert_eq!(sweeps(), 2);
+        // Two seconds on, the spray's keys are forgotten: new keys are tracked again.
+        let later = T0 + 3_000_000;
+        leases.promote(&config, &key(40_000), later);
+        assert_eq!(sweeps(), 3);
+        let candidates = leases.candidates.lock().unwrap();
+        assert!(candidates.rates.contains_key(&key(40_000)));
+    }
 
     /// Rule "hot": a fixed window of 100 a minute.
     fn hot_rule() -> Rule {
