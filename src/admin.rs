@@ -110,8 +110,17 @@ impl<S: Send + Sync> FromRequestParts<S> for Named {
         else {
             // A key that is not text (a header value may hold any byte, a path parameter must
             // decode to UTF-8): its bytes from the raw path, so the operator can name it too.
-            return raw_key(parts.uri.path())
-                .ok_or_else(|| error(StatusCode::BAD_REQUEST, "invalid_path"));
+            let path = parts.uri.path();
+            return raw_key(path).ok_or_else(|| {
+                // An address that is not text is still a malformed address.
+                let address = path.split('/').any(|segment| segment == "ips");
+                let why = if address {
+                    "invalid_address"
+                } else {
+                    "invalid_path"
+                };
+                error(StatusCode::BAD_REQUEST, why)
+            });
         };
         let mut param = |name: &str| {
             let at = params.iter().position(|(n, _)| n == name)?;

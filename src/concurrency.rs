@@ -371,7 +371,8 @@ impl<S: Store> ConcurrencyLimiterBuilder<S, OnStoreError> {
 }
 
 /// The slots of `local` (this process's, in an outage) a caller with `share` of the fleet's
-/// `limit` may hold: the same fraction, at least one for a share above zero. Taking the smaller
+/// `limit` may hold: the same fraction, at least one for a share above zero, but never all of
+/// them (a single local slot is critical traffic's alone, as a fleet budget of 1 is). Taking the smaller
 /// of `local` and `share` instead gave every priority all the local slots (with 25 local of
 /// 100, best effort's 50 is more than 25), so best effort could crowd out critical requests
 /// just when the store was away.

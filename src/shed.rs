@@ -307,7 +307,10 @@ impl FleetUsage {
         }
         // A share above zero is at least one slot, but never the whole budget: the rest is
         // always there for critical traffic (a budget of 1 is critical traffic's alone).
-        let limit = (budget as f64 * share).floor() as u64;
+        // Rounded down, but not below a whole number the product misses by a rounding error
+        // (0.57 of 100 is 56.99999999999999 in binary: 57 slots, not 56).
+        let exact = budget as f64 * share;
+        let limit = (exact + exact.max(1.0) * 1e-9).floor() as u64;
         if share > 0.0 {
             limit.max(1).min(budget.saturating_sub(1))
         } else {
@@ -668,6 +671,12 @@ mod tests {
         let ten = usage(10);
         assert_eq!(ten.limit_for(Priority::BestEffort), 5);
         assert_eq!(ten.limit_for(Priority::Important), 8);
+        // Shares whose products miss a whole number in binary.
+        let hundred = usage(100)
+            .share(Priority::Normal, 0.57)
+            .share(Priority::BestEffort, 0.29);
+        assert_eq!(hundred.limit_for(Priority::Normal), 57);
+        assert_eq!(hundred.limit_for(Priority::BestEffort), 29);
     }
 
     /// A target no load reaches (`u64::MAX`) never overflows the step-down test.

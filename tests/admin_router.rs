@@ -108,6 +108,9 @@ async fn a_malformed_address_is_a_clear_400() {
         "/ips/2001:db8::1%2Fx",
         "/ips/::ffff:203.0.113.7%2F96",
         "/ips/300.1.1.1/deny",
+        // Not text at all: still an address that is not one.
+        "/ips/%FF",
+        "/ips/%FF/deny",
     ] {
         let method = if bad.ends_with("/deny") {
             "POST"
