@@ -103,8 +103,7 @@ impl<S: Store, P> LimiterBuilder<S, P> {
     /// start of the decision: waiting for another request's refill of a leased key, the lease
     /// call and any second store call all come out of it. When it passes, the store call is
     /// abandoned (never retried: it may have run) and the outage policy decides. A Redis
-    /// store's standalone, Sentinel and cluster connections give a call 5 s at most, whatever
-    /// this is.
+    /// store's standalone and Sentinel connections give a call 5 s at most, whatever this is.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self

@@ -21,11 +21,14 @@ pub(crate) mod testing;
 pub use self::redis::{RedisStore, RedisStoreBuilder};
 pub use memory::MemoryStore;
 
-/// The longest a store call waits for its answer on a connection (redis-rs's own 500 ms would
-/// cut short a call made in the background: a lease nobody waits for, a give-back). A call sent
-/// may run in Redis until then, so whatever waits for such a call in the background waits at
-/// least this long (see `leases::background_bound`); finite, so that calls on a connection that
-/// stopped answering do not pile up in it. A limiter deadline above it is cut to it.
+/// The longest a call waits for its answer on a standalone or Sentinel connection (redis-rs's
+/// own 500 ms would cut short a call made in the background: a lease nobody waits for, a
+/// give-back). A call sent may run in Redis until then, so whatever waits for such a call in the
+/// background waits longer (see `leases::background_bound`); finite, so that calls on a
+/// connection that stopped answering do not pile up in it. A limiter deadline above it is cut
+/// to it. Cluster connections have none: a hung master's calls are abandoned at their deadline
+/// and the store looks past it, where a timeout inside redis-rs would read as a dead node and
+/// drop the connection every master's calls share.
 pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A boxed future, as returned by [`Store`] methods.

@@ -784,7 +784,6 @@ impl RedisStoreBuilder {
             #[allow(unused_mut)]
             let mut builder = redis::cluster::ClusterClient::builder(nodes)
                 .connection_timeout(connect_timeout)
-                .response_timeout(RESPONSE_TIMEOUT)
                 .retries(0);
             #[cfg(feature = "tls")]
             if let Some(certificates) = &certificates {
