@@ -242,16 +242,23 @@ fn share(quota: &Quota, servers: u64) -> Result<Quota, ConfigError> {
 /// [`share`]'s limit rounded down to a multiple of `round`, its burst the fair share (at least
 /// 1 each).
 fn share_of(quota: &Quota, servers: u64, round: u64) -> Result<Quota, ConfigError> {
-    let part = |n: u64| (n / servers).max(1);
     let limit = quota.limit() / servers;
-    let mut limit = (limit - limit % round).max(1);
-    if quota.algorithm() == crate::Algorithm::Gcra {
-        // GCRA counts whole µs: the share runs at the rate its rounded-up interval allows, so
-        // that is its limit (a fair share of a million a second among three, 333,333, is one
-        // permit every 4 µs, 250,000; stated as 333,333 it would be refused when built).
-        let interval = quota.period_us().div_ceil(limit);
-        limit = (quota.period_us() / interval).max(1);
+    let limit = (limit - limit % round).max(1);
+    let built = build_share(quota, servers, limit);
+    if quota.algorithm() != crate::Algorithm::Gcra || built.is_ok() {
+        return built;
     }
+    // GCRA counts whole µs, and a fair share whose interval rounds up by over a tenth is
+    // refused when built (a million a second among three, 333,333, is one permit every 4 µs):
+    // then the share is the rate that interval allows, 250,000. Only then: the rounding down
+    // cut ordinary shares too (10 a second among three ran at 2, not 3).
+    let interval = quota.period_us().div_ceil(limit);
+    build_share(quota, servers, (quota.period_us() / interval).max(1))
+}
+
+/// A share of `quota` among `servers` with `limit` permits a period.
+fn build_share(quota: &Quota, servers: u64, limit: u64) -> Result<Quota, ConfigError> {
+    let part = |n: u64| (n / servers).max(1);
     let mut b = Quota::new(limit, quota.period())
         .algorithm(quota.algorithm())
         .max_log_len(quota.limit());
@@ -432,6 +439,18 @@ mod tests {
         assert_eq!(shared.emission_us(), 4);
         let r = Rule::new("fast", fast).unwrap();
         assert!(Policy::resolve(OnStoreError::LocalShare(3), &[r], &clock()).is_ok());
+        // An ordinary share is the fair one, its interval rounded up by a µs at most: 10 a
+        // second among three is 3 (it was 2), and a whole quota is itself.
+        let ten = Quota::per_second(10)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
+        assert_eq!(share(&ten, 3).unwrap().limit(), 3);
+        let three = Quota::per_second(3)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
+        assert_eq!(share(&three, 1).unwrap(), three);
     }
 
     #[test]
