@@ -1037,6 +1037,7 @@ struct CurrentService<S> {
 impl<S, B, R> tower::Service<axum::http::Request<B>> for CurrentService<S>
 where
     S: tower::Service<axum::http::Request<B>, Response = axum::http::Response<R>> + Clone,
+    B: http_body::Body,
 {
     type Response = axum::http::Response<fleetlimit::layer::ResponseBody<R>>;
     type Error = S::Error;

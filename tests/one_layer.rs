@@ -540,6 +540,68 @@ async fn stacked_layers_each_charge_a_streamed_body() {
     assert!(left(&inner, "route-kib", &tenant).await >= 1_000 - 8);
 }
 
+/// A per-client byte quota on every route (the README's stacked layer): a request with no body
+/// at all costs nothing, over the wire as hyper frames it (a GET over HTTP/1.1 has neither
+/// `Content-Length` nor `Transfer-Encoding`); each one once cost a unit, and the fourth GET
+/// under 3 KiB a minute was refused. A chunked body still costs a unit up front.
+#[tokio::test]
+async fn a_request_without_a_body_costs_a_byte_quota_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let limiter = limiter(vec![rule("client-kib", 3)]);
+    let layer = RateLimitLayer::builder(limiter.clone())
+        .key(key::header("x-api-key"))
+        .scope("client-kib", Scope::new().cost_body(KIB))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { "ok" }).post(|body: bytes::Bytes| async move { body.len().to_string() }),
+        )
+        .layer(MeterBodyLayer)
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap();
+    });
+    let send = |request: &'static str| async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut response))
+            .await
+            .unwrap()
+            .unwrap();
+        response
+    };
+    let tenant = Key::new("tenant-1");
+    for n in 0..5 {
+        let r =
+            send("GET / HTTP/1.1\r\nHost: x\r\nx-api-key: tenant-1\r\nConnection: close\r\n\r\n")
+                .await;
+        assert!(r.starts_with("HTTP/1.1 200"), "GET {n}: {r}");
+    }
+    assert_eq!(
+        left(&limiter, "client-kib", &tenant).await,
+        3,
+        "no GET charged"
+    );
+    let r = send("POST / HTTP/1.1\r\nHost: x\r\nx-api-key: tenant-1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n").await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert_eq!(
+        left(&limiter, "client-kib", &tenant).await,
+        2,
+        "a chunked body: a unit"
+    );
+    server.abort();
+}
+
 #[tokio::test]
 async fn streamed_bodies_are_charged_by_the_bytes_read() {
     let limiter = limiter(vec![rule("upload-kib", 10)]);

@@ -118,7 +118,10 @@ impl Config {
         }
     }
 
-    pub(crate) fn plan(&self, parts: &Parts) -> Plan {
+    /// Which rules apply to the request with these `parts`, each at its cost. `body_len`: the
+    /// exact length its body's framing gives (`size_hint`), for the rules charged by body
+    /// size; `None` when unknown or not asked.
+    pub(crate) fn plan(&self, parts: &Parts, body_len: Option<u64>) -> Plan {
         let mut layer_cost: Option<u64> = None;
         let mut default_key: Option<Option<Key>> = None;
         let mut targets = Targets::new();
@@ -127,7 +130,7 @@ impl Config {
                 continue;
             }
             let cost = match (scope.body_unit, &scope.cost) {
-                (Some(unit), _) => body_cost(parts, unit),
+                (Some(unit), _) => body_cost(parts, body_len, unit),
                 (None, Some(cost)) => cost(parts),
                 (None, None) => *layer_cost
                     .get_or_insert_with(|| self.cost.as_ref().map_or(1, |cost| cost(parts))),
@@ -198,17 +201,20 @@ impl Config {
     }
 }
 
-/// The up-front cost of a rule charged by body size: the declared length in `unit`s started, or
-/// one unit when no length is declared (the rest is metered as it is read).
-fn body_cost(parts: &Parts, unit: u64) -> u64 {
+/// The up-front cost of a rule charged by body size: the declared length in `unit`s started;
+/// without a `Content-Length`, the length the body's framing gives (`body_len`: none at all for
+/// a GET over HTTP/1.1 or a request whose HTTP/2 headers end the stream, which costs nothing),
+/// else one unit (the rest is metered as it is read).
+fn body_cost(parts: &Parts, body_len: Option<u64>, unit: u64) -> u64 {
+    let unit = unit.max(1);
     match parts.headers.get(http::header::CONTENT_LENGTH) {
         Some(length) => length
             .to_str()
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())
             // An unreadable length is the client's; hyper refuses it before we see it.
-            .map_or(1, |bytes| bytes.div_ceil(unit.max(1))),
-        None => 1,
+            .map_or(1, |bytes| bytes.div_ceil(unit)),
+        None => body_len.map_or(1, |bytes| bytes.div_ceil(unit)),
     }
 }
 

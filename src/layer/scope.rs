@@ -568,7 +568,9 @@ impl Scope {
     /// Charge this rule by the request body's size, one permit per `unit_bytes` started (1024:
     /// a quota in KiB), in place of any cost function. Up front, the declared `Content-Length`
     /// is charged with the request's other rules, in one atomic step; a body without a declared
-    /// length (chunked) is charged one unit up front. With a
+    /// length (chunked) is charged one unit up front, and a request with no body at all (a GET
+    /// over HTTP/1.1, HTTP/2 headers that end the stream: the body's exact `size_hint` of 0)
+    /// nothing. With a
     /// [`MeterBodyLayer`](super::MeterBodyLayer) inside this layer, every byte beyond what was
     /// charged is charged as the handler reads it: when the rule refuses more, the body ends
     /// with an error and the client gets this layer's denial (429 with `Retry-After`, or the

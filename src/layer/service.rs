@@ -36,6 +36,7 @@ impl<S> RateLimitService<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimitService<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ReqBody: http_body::Body,
 {
     type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
@@ -48,7 +49,13 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let (parts, body) = req.into_parts();
-        let plan = self.config.plan(&parts);
+        // Asked only of a layer that charges by body size.
+        let body_len = if self.config.after.meters_bodies {
+            http_body::Body::size_hint(&body).exact()
+        } else {
+            None
+        };
+        let plan = self.config.plan(&parts, body_len);
         let grpc = super::response::is_grpc(&parts);
         let req = Request::from_parts(parts, body);
         match plan {
