@@ -651,6 +651,53 @@ async fn streamed_bodies_are_charged_by_the_bytes_read() {
     assert!(err.to_string().contains("cost_body"), "{err}");
 }
 
+/// Inside a nested router (which strips its prefix from the URI), a full route matches however
+/// its parameter is named (a rules file's `/v1/users/{user}` for axum's `{id}`) and a literal
+/// path served by a parameter route (`/v1/users/me`): both were skipped, the routes unlimited.
+#[tokio::test]
+async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_called() {
+    let limiter = limiter(vec![rule("users", 1), rule("me", 1)]);
+    let layer = RateLimitLayer::builder(limiter)
+        .key(key::header("x-account"))
+        .scope("users", Scope::new().route(Method::PUT, "/v1/users/{user}"))
+        .scope("me", Scope::new().route(Method::POST, "/v1/users/me"))
+        .build()
+        .unwrap();
+    let app = Router::new().nest(
+        "/v1",
+        Router::new()
+            .route(
+                "/users/{id}",
+                axum::routing::put(|| async { "put" }).post(|| async { "post" }),
+            )
+            .layer(layer),
+    );
+    let call = |method: Method, path: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::builder()
+                .method(method)
+                .uri(path)
+                .header("x-account", "a")
+                .body(Body::empty())
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        }
+    };
+    assert_eq!(call(Method::PUT, "/v1/users/7").await, StatusCode::OK);
+    assert_eq!(
+        call(Method::PUT, "/v1/users/8").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(call(Method::POST, "/v1/users/me").await, StatusCode::OK);
+    assert_eq!(
+        call(Method::POST, "/v1/users/me").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Another user's POST is not the literal route.
+    assert_eq!(call(Method::POST, "/v1/users/you").await, StatusCode::OK);
+}
+
 #[tokio::test]
 async fn a_scope_overrides_the_layers_missing_key_answer_and_matches_axum_routes() {
     let limiter = limiter(vec![rule("accounts", 2), rule("users", 1), rule("v1", 1)]);

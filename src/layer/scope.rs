@@ -316,19 +316,27 @@ impl PathMatch {
         }
     }
 
+    /// Against the path the layer sees and, inside a nested axum router (which strips its
+    /// prefix from the URI), the full path the client sent and the route axum matched.
     fn matches(&self, parts: &Parts) -> bool {
         let path = parts.uri.path();
+        let either = |test: &dyn Fn(&str) -> bool| {
+            test(path) || original_path(parts).is_some_and(|full| full != path && test(full))
+        };
         match self {
-            PathMatch::Exact(p) => path == p || matched_path(parts) == Some(p.as_str()),
+            PathMatch::Exact(p) => {
+                either(&|path| path == p) || matched_path(parts) == Some(p.as_str())
+            }
             PathMatch::Prefix(p) => {
                 let under = |path: &str| {
                     path.strip_prefix(p.as_str())
                         .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
                 };
-                under(path) || matched_path(parts).is_some_and(under)
+                either(&under) || matched_path(parts).is_some_and(under)
             }
             PathMatch::Pattern { source, segments } => {
-                matched_path(parts) == Some(source.as_str()) || matches_segments(segments, path)
+                matched_path(parts) == Some(source.as_str())
+                    || either(&|path| matches_segments(segments, path))
             }
             PathMatch::Invalid { .. } => false,
         }
@@ -397,6 +405,22 @@ fn matched_path(_: &Parts) -> Option<&str> {
     None
 }
 
+/// The path the client sent, when the layer runs inside an axum `Router` (a nested router
+/// strips its prefix from the URI): a full route written with other parameter names, or a
+/// literal path served by a parameter route, matches there.
+#[cfg(feature = "axum")]
+fn original_path(parts: &Parts) -> Option<&str> {
+    parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map(|o| o.0.path())
+}
+
+#[cfg(not(feature = "axum"))]
+fn original_path(_: &Parts) -> Option<&str> {
+    None
+}
+
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Scope")
@@ -427,7 +451,8 @@ impl Scope {
     /// other path matches exactly (the query is never part of it). A path that could not match
     /// as written (an unclosed brace, `{*rest}` before the end, a query, a segment starting
     /// with `*` other than a final `/*`) is an error when the layer is built. Inside an axum
-    /// `Router` the pattern also matches when it is the route axum matched (`MatchedPath`), so
+    /// `Router` the pattern also matches the path the client sent (`OriginalUri`: a nested
+    /// router strips its prefix from the URI) and the route axum matched (`MatchedPath`), so
     /// nested routers can name their full routes. `GET` also matches `HEAD` (axum's `get()` serves
     /// HEAD with the GET handler, so a HEAD request must not go around a GET limit).
     pub fn route(mut self, method: Method, path: &str) -> Scope {
