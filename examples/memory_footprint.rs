@@ -2,7 +2,7 @@
 //! set before and after holding N live (rule, key) entries.
 //!
 //! ```text
-//! cargo run --release --example memory_footprint [-- --keys 1000000 --algorithm sliding-window --sub-windows 20]
+//! cargo run --release --example memory_footprint [-- --keys 1000000 --algorithm sliding-window --sub-windows 20 --key-bytes 13]
 //! ```
 
 use std::time::Duration;
@@ -28,6 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut keys: usize = 1_000_000;
     let mut algorithm = Algorithm::SlidingWindow;
     let mut sub_windows = None;
+    let mut key_bytes: usize = 13;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
@@ -35,6 +36,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--keys" => keys = value.parse()?,
             "--algorithm" => algorithm = value.parse()?,
             "--sub-windows" => sub_windows = Some(value.parse()?),
+            // The key's length: `user-00000001` is 13; past 37 bytes a key is held in an
+            // allocation of its own, past 128 hashed to 32 bytes.
+            "--key-bytes" => key_bytes = value.parse()?,
             other => return Err(format!("unknown argument {other:?}").into()),
         }
     }
@@ -46,8 +50,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = MemoryStore::builder().max_keys(keys + keys / 4).build()?;
     let before = rss().ok_or("no /proc/self/status")?;
     for i in 0..keys {
-        // Short keys, as an API key prefix or an account id would be.
-        let key = Key::new(format!("user-{i:08}"));
+        // Short keys by default, as an API key prefix or an account id would be.
+        let key = Key::new(format!("user-{i:0>width$}", width = key_bytes.max(13) - 5));
         store.check(
             Op::Consume,
             &Check {

@@ -213,6 +213,30 @@ fn the_memory_store_decides_without_allocating() {
     check(any_layer, allowed, denied);
 }
 
+/// With a key listed somewhere in the store (an operator's deny, a penalty block), every
+/// decision looks its keys up in the listings: that allocated a vector per decision.
+#[test]
+fn a_listed_key_elsewhere_costs_no_allocation() {
+    let any_layer = per_request(&mut with_any_layer(), StatusCode::OK, 50, 1_000);
+    let limiter = |quota: Quota| {
+        use fleetlimit::store::{Listing, Store};
+        let store = MemoryStore::new();
+        let other = fleetlimit::Key::new("someone-else");
+        poll_now(store.set_listing(&other, Some(Listing::Deny))).unwrap();
+        Limiter::builder(store)
+            .rule(Rule::new("api", quota).unwrap())
+            .build()
+            .unwrap()
+    };
+    let roomy = limiter(Quota::per_second(1_000_000).build().unwrap());
+    let allowed = per_request(&mut with_layer(roomy), StatusCode::OK, 50, 1_000);
+    let mut refused = with_layer(limiter(Quota::per_hour(1).build().unwrap()));
+    let (first, _) = serve_counted(&mut refused, request());
+    assert_eq!(first, StatusCode::OK);
+    let denied = per_request(&mut refused, StatusCode::TOO_MANY_REQUESTS, 50, 1_000);
+    check(any_layer, allowed, denied);
+}
+
 #[test]
 fn every_algorithm_decides_without_allocating() {
     let any_layer = per_request(&mut with_any_layer(), StatusCode::OK, 50, 500);

@@ -80,13 +80,22 @@ struct Inner {
     pauses: Mutex<std::collections::HashMap<(Arc<str>, Key), u64>>,
     /// Allowed, denied and blocked keys; `listed` counts them, so that a store with none (the
     /// usual case) decides without looking.
-    listings: Mutex<std::collections::HashMap<Key, Listed>>,
+    listings: RwLock<Listings>,
     listed: AtomicUsize,
     /// When the last of them ends (µs; never, with an allow or deny entry): from then on the
     /// count is pruned, so that ended blocks do not keep every decision on the mutex.
     listings_end: AtomicU64,
     /// Concurrency slots per (limit name, key).
     slots: Mutex<SlotTable>,
+}
+
+/// The listings, and how many were left by the last sweep of ended blocks: the next sweep waits
+/// until the map has doubled, so that a block costs a constant amortised time (each swept the
+/// whole map once, and a spray of penalty blocks cost quadratic time under the lock).
+#[derive(Default)]
+struct Listings {
+    map: std::collections::HashMap<Key, Listed>,
+    swept: usize,
 }
 
 /// Concurrency slots held per (limit name, key): each slot's id and when it expires (µs).
@@ -98,6 +107,24 @@ enum Listed {
     Allow,
     Deny,
     Until(u64),
+}
+
+impl Listed {
+    /// When the entry ends (µs; never, for the allow and deny lists).
+    fn end(&self) -> u64 {
+        match self {
+            Listed::Until(t) => *t,
+            Listed::Allow | Listed::Deny => u64::MAX,
+        }
+    }
+}
+
+/// `listed`, if still in force at `now` (a block that ended is not).
+fn in_force(listed: &Listed, now: u64) -> Option<Listed> {
+    match listed {
+        Listed::Until(t) if *t <= now => None,
+        l => Some(*l),
+    }
 }
 
 /// When a block of `block` set at `now` ends.
@@ -464,7 +491,7 @@ impl MemoryStoreBuilder {
                 shard_capacity,
                 overflow: self.overflow,
                 pauses: Mutex::new(std::collections::HashMap::new()),
-                listings: Mutex::new(std::collections::HashMap::new()),
+                listings: RwLock::new(Listings::default()),
                 listed: AtomicUsize::new(0),
                 listings_end: AtomicU64::new(u64::MAX),
                 slots: Mutex::new(std::collections::HashMap::new()),
@@ -545,18 +572,36 @@ impl Inner {
 
     /// Drop the ended blocks from `listings` (held locked), and publish their count and when
     /// the last one left ends.
-    fn settle_listings(&self, listings: &mut std::collections::HashMap<Key, Listed>, now: u64) {
-        listings.retain(|_, l| !matches!(l, Listed::Until(t) if *t <= now));
+    fn settle_listings(&self, listings: &mut Listings, now: u64) {
+        listings
+            .map
+            .retain(|_, l| !matches!(l, Listed::Until(t) if *t <= now));
+        listings.swept = listings.map.len();
         let end = listings
+            .map
             .values()
-            .map(|l| match l {
-                Listed::Until(t) => *t,
-                Listed::Allow | Listed::Deny => u64::MAX,
-            })
+            .map(|l| l.end())
             .max()
             .unwrap_or(u64::MAX);
         self.listings_end.store(end, Ordering::Relaxed);
-        self.listed.store(listings.len(), Ordering::Release);
+        self.listed.store(listings.map.len(), Ordering::Release);
+    }
+
+    /// Publish `listings` after an entry ending at `end` (if any) was written or one removed:
+    /// a sweep once the map has doubled since the last, else only the count and the later end.
+    fn publish_listings(&self, listings: &mut Listings, end: Option<u64>, now: u64) {
+        if listings.map.len() >= (2 * listings.swept).max(64) {
+            return self.settle_listings(listings, now);
+        }
+        match end {
+            // The first entry: the end of none (never) does not count.
+            Some(end) if listings.map.len() == 1 => self.listings_end.store(end, Ordering::Relaxed),
+            Some(end) => {
+                self.listings_end.fetch_max(end, Ordering::Relaxed);
+            }
+            None => {}
+        }
+        self.listed.store(listings.map.len(), Ordering::Release);
     }
 
     /// `key`'s entry in force at `now`.
@@ -564,10 +609,13 @@ impl Inner {
         if self.listed.load(Ordering::Acquire) == 0 {
             return None;
         }
-        match self.listings.lock().get(key)? {
-            Listed::Until(t) if *t <= now => None,
-            l => Some(*l),
-        }
+        in_force(self.listings.read().map.get(key)?, now)
+    }
+
+    /// The most keys listed at once: the store's bound on keys. Past it, a penalty block is not
+    /// written (an operator's entry always is).
+    fn listings_capacity(&self) -> usize {
+        self.shard_capacity.saturating_mul(self.shards.len()).max(1)
     }
 
     /// The decisions for `checks` when a key among them is listed; `None` when none is (the
@@ -578,12 +626,18 @@ impl Inner {
             return None;
         }
         if now >= self.listings_end.load(Ordering::Relaxed) {
-            self.settle_listings(&mut self.listings.lock(), now);
+            self.settle_listings(&mut self.listings.write(), now);
             if self.listed.load(Ordering::Acquire) == 0 {
                 return None;
             }
         }
-        let listed: Vec<Option<Listed>> = checks.iter().map(|c| self.listed(c.key, now)).collect();
+        let listed: smallvec::SmallVec<[Option<Listed>; 4]> = {
+            let listings = self.listings.read();
+            checks
+                .iter()
+                .map(|c| in_force(listings.map.get(c.key)?, now))
+                .collect()
+        };
         if listed.iter().all(Option::is_none) {
             return None;
         }
@@ -1282,18 +1336,20 @@ impl Store for MemoryStore {
         listing: Option<Listing>,
     ) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         let now = self.inner.clock.now_us();
-        let mut listings = self.inner.listings.lock();
-        let current = listings.get(key).copied();
-        match (listing, current) {
+        let mut listings = self.inner.listings.write();
+        let current = listings.map.get(key).copied();
+        let written = match (listing, current) {
             (None, _) => {
-                listings.remove(key);
+                listings.map.remove(key);
+                None
             }
             // The deny stands; a block of zero ends a block, nothing else.
-            (Some(Listing::Block(_)), Some(Listed::Deny)) => {}
+            (Some(Listing::Block(_)), Some(Listed::Deny)) => None,
             (Some(Listing::Block(d)), current) if d.as_micros() == 0 => {
                 if !matches!(current, Some(Listed::Allow)) {
-                    listings.remove(key);
+                    listings.map.remove(key);
                 }
+                None
             }
             (Some(l), _) => {
                 let held = match l {
@@ -1301,10 +1357,11 @@ impl Store for MemoryStore {
                     Listing::Deny => Listed::Deny,
                     Listing::Block(d) => Listed::Until(block_end(now, d)),
                 };
-                listings.insert(key.clone(), held);
+                listings.map.insert(key.clone(), held);
+                Some(held.end())
             }
-        }
-        self.inner.settle_listings(&mut listings, now);
+        };
+        self.inner.publish_listings(&mut listings, written, now);
         drop(listings);
         let in_force = self.inner.listed(key, now).map(|l| match l {
             Listed::Allow => Listing::Allow,
@@ -1321,15 +1378,23 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         let now = self.inner.clock.now_us();
         let until = block_end(now, block);
-        let mut listings = self.inner.listings.lock();
-        let stands = match listings.get(key) {
+        let mut listings = self.inner.listings.write();
+        let stands = match listings.map.get(key) {
             Some(Listed::Allow | Listed::Deny) => true,
             Some(Listed::Until(t)) => *t > now && *t >= until,
-            None => false,
+            None => {
+                // A full map takes no new penalty block (a spray of refused keys must not grow
+                // it past the store's bound): sweep the ended ones first, then give up.
+                let capacity = self.inner.listings_capacity();
+                if listings.map.len() >= capacity {
+                    self.inner.settle_listings(&mut listings, now);
+                }
+                listings.map.len() >= capacity
+            }
         };
         if !stands {
-            listings.insert(key.clone(), Listed::Until(until));
-            self.inner.settle_listings(&mut listings, now);
+            listings.map.insert(key.clone(), Listed::Until(until));
+            self.inner.publish_listings(&mut listings, Some(until), now);
         }
         Box::pin(std::future::ready(Ok(!stands)))
     }
@@ -1918,6 +1983,42 @@ mod tests {
         );
         assert_eq!(s.inner.listed.load(Ordering::Acquire), 0, "pruned");
         assert!(s.check(Op::Consume, &one(&r, &k, 1)[0]).allowed);
+    }
+
+    /// A spray of penalty blocks holds the listings within the store's bound on keys (they grew
+    /// without one, each block sweeping the whole map under its lock); an operator's entry is
+    /// always written, and once blocks end there is room again.
+    #[tokio::test]
+    async fn penalty_blocks_stay_within_the_bound_on_keys() {
+        use crate::store::Store;
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(16)
+            .shards(1)
+            .build()
+            .unwrap();
+        let block = Duration::from_secs(60);
+        let mut written = 0;
+        for i in 0..100 {
+            if s.block_unless_listed(&Key::new(format!("k{i}")), block)
+                .await
+                .unwrap()
+            {
+                written += 1;
+            }
+        }
+        assert_eq!(written, 16);
+        assert_eq!(s.inner.listings.read().map.len(), 16);
+        let operator = Key::new("operator");
+        s.set_listing(&operator, Some(Listing::Deny)).await.unwrap();
+        assert_eq!(s.listing(&operator).await.unwrap(), Some(Listing::Deny));
+        clock.advance(block);
+        assert!(s
+            .block_unless_listed(&Key::new("later"), block)
+            .await
+            .unwrap());
+        assert_eq!(s.inner.listings.read().map.len(), 2, "the ended ones swept");
     }
 
     /// Pauses are capped as the Redis store caps them: about 49 days, not a pushback date
