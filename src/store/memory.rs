@@ -1098,9 +1098,16 @@ impl Shard {
         }
         self.overflow.retain(|(_, _, expires_at)| *expires_at > now);
         self.next_sweep = (self.table.len() * 2).clamp(FIRST_SWEEP.min(capacity), capacity);
-        self.full_until = if self.table.len() >= capacity {
-            let first_expiry = self.table.iter().map(|e| e.expires_at).min();
-            first_expiry.map_or(now, |t| t.min(now.saturating_add(FULL_RETRY)))
+        // A sweep that left the shard over 7/8 full freed too little to pay for itself: the
+        // next, once it is full again, waits until an eighth of the entries have expired (or
+        // a second, for evictions). Waiting only for the first expiry swept the whole shard
+        // per insert when entries expired one by one.
+        let eighth = capacity / 8;
+        self.full_until = if self.table.len() > capacity - eighth {
+            let mut expiries: Vec<u64> = self.table.iter().map(|e| e.expires_at).collect();
+            let nth = eighth.clamp(1, expiries.len()) - 1;
+            let (_, &mut then, _) = expiries.select_nth_unstable(nth);
+            then.min(now.saturating_add(FULL_RETRY))
         } else {
             0
         };
@@ -1915,6 +1922,56 @@ mod tests {
         );
         // Alone, one of them fits.
         assert!(s.check(Op::Consume, &batch[0]).allowed);
+    }
+
+    /// A full shard whose entries expire one by one (GCRA keys that came a millisecond apart)
+    /// is not swept for every new key, each sweep freeing one entry: the next sweep waits until
+    /// an eighth of them have expired.
+    #[test]
+    fn a_shard_expiring_one_by_one_is_not_swept_per_insert() {
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .max_keys(1024)
+            .overflow(Overflow::Refuse {
+                retry_after: Duration::from_secs(1),
+            })
+            .build()
+            .unwrap();
+        let quota = Quota::per_minute(2)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
+        let r = Rule::new("r", quota).unwrap();
+        let ms = Duration::from_millis(1);
+        for i in 0..1024u32 {
+            assert!(
+                s.check(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 2)[0])
+                    .allowed
+            );
+            clock.advance(ms);
+        }
+        // The first key's state has just expired: a new key sweeps, and gets its entry.
+        clock.advance(Duration::from_secs(60) - 1024 * ms);
+        assert!(
+            s.check(Op::Consume, &one(&r, &Key::new("first"), 1)[0])
+                .allowed
+        );
+        let full_until = s.inner.shards[0].shard.read().full_until;
+        assert!(
+            full_until >= clock.now_us() + 100_000,
+            "an eighth expires 127 ms on"
+        );
+        for i in 0..50u32 {
+            clock.advance(ms);
+            s.check(Op::Consume, &one(&r, &Key::new(format!("new{i}")), 1)[0]);
+            assert_eq!(
+                s.inner.shards[0].shard.read().full_until,
+                full_until,
+                "swept at {i}"
+            );
+        }
     }
 
     /// A full shard whose sweep frees nothing (every entry restrictive) is not swept again for
