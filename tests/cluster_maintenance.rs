@@ -509,3 +509,73 @@ async fn hung_master_replaced(seeds: Seeds) {
         "recovered only after {recovery:?}"
     );
 }
+
+/// A slot starting to move to a master just added (which owns no slot yet, so the store's
+/// cluster connection has no link to it) answers ASK for keys it does not hold: that call
+/// cannot be followed and goes to the policy, but the connection every master's calls share
+/// stays (it was dropped, as if a node had died, and every decision on every master then
+/// waited for a new connection, which would have had no link to the new master either).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_to_a_master_just_added_keeps_the_connection() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let mut cluster = RedisCluster::start();
+    let store = RedisStore::builder()
+        .clock(ManualClock::default())
+        .cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let [rule, _] = rules(1_000);
+    let limiter = Limiter::builder(store.clone())
+        .rule(rule.clone())
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let slot_of = |k: &Key| fleetlimit::store::redis::slot(&store.key_for(&rule, k));
+    let (moving, steady) = (Key::new("moving"), Key::new("steady"));
+    let source = cluster.node_for_slot(slot_of(&moving));
+    let other = (0..3).find(|&n| n != source).unwrap();
+    let steady = (0..10_000)
+        .map(|i| Key::new(format!("steady-{i}")))
+        .find(|k| cluster.node_for_slot(slot_of(k)) == other)
+        .unwrap_or(steady);
+    assert!(!limiter.consume(&steady, 1).await.unwrap().degraded);
+    let added = cluster.add_master(5_000).unwrap();
+    let id = |n: usize| {
+        cluster.nodes()[n]
+            .cmd(&["CLUSTER", "MYID"])
+            .unwrap()
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (source_id, added_id) = (id(source), id(added));
+    let slot = slot_of(&moving).to_string();
+    cluster.nodes()[added]
+        .cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &source_id])
+        .unwrap();
+    cluster.nodes()[source]
+        .cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &added_id])
+        .unwrap();
+    let connections = |n: usize| {
+        let stats = cluster.nodes()[n].info("stats").unwrap();
+        support::redis::info_field(&stats, "total_connections_received")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap()
+    };
+    let asked = limiter.consume(&moving, 1).await.unwrap();
+    assert!(asked.degraded, "not followed: {asked:?}");
+    // redis-rs refreshes its own links on that error, in the background: let it finish.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before: Vec<u64> = (0..3).map(connections).collect();
+    assert!(!limiter.consume(&steady, 1).await.unwrap().degraded);
+    let after: Vec<u64> = (0..3).map(connections).collect();
+    // Each count is read over a connection of its own: one more per master, nothing else.
+    let expected: Vec<u64> = before.iter().map(|n| n + 1).collect();
+    assert_eq!(after, expected, "the next decision made no new connection");
+    for n in [source, added] {
+        cluster.nodes()[n]
+            .cmd(&["CLUSTER", "SETSLOT", &slot, "STABLE"])
+            .unwrap();
+    }
+}

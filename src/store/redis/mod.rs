@@ -1171,14 +1171,31 @@ where
                 port: port.parse().ok()?,
             })
         });
+        let redirected = |answer: Result<T, RedisError>| {
+            // A node the connection has no link to (a master just added, which owns no slot
+            // yet: redis-rs links only to slot owners) fails this call alone. As redis-rs's
+            // own error it would read as a dead node and drop the connection every master's
+            // calls share, and connecting again would not link to that node either.
+            answer.map_err(|e| {
+                if e.kind() == redis::ErrorKind::ClusterConnectionNotFound {
+                    RedisError::from((
+                        redis::ErrorKind::Client,
+                        "redirected to a node this cluster connection has no link to yet",
+                        e.to_string(),
+                    ))
+                } else {
+                    e
+                }
+            })
+        };
         result = match (method, node) {
             (RetryMethod::MovedRedirect, Some(node)) => {
                 tracing::debug!(slot, %error, "fleetlimit: cluster slot moved; following");
-                again(conn.clone(), node, false).await
+                redirected(again(conn.clone(), node, false).await)
             }
             (RetryMethod::AskRedirect, Some(node)) => {
                 tracing::debug!(slot, %error, "fleetlimit: cluster slot migrating; asking its new node");
-                again(conn.clone(), node, true).await
+                redirected(again(conn.clone(), node, true).await)
             }
             (RetryMethod::WaitAndRetry, _) => {
                 tracing::debug!(slot, %error, "fleetlimit: cluster slot unavailable for now; trying again");
