@@ -1084,3 +1084,39 @@ async fn a_denial_the_store_has_since_lifted_does_not_refuse_through_an_outage()
     let d = a.consume(&key, 1).await.unwrap();
     assert!(d.allowed && d.degraded, "a lifted denial refused: {d:?}");
 }
+
+/// The IETF headers of a decision the local fallback made name the quota it was made under:
+/// this server's share (25 of 100 among four), as `RateLimit-Limit` does in the default style.
+/// They named the rule's whole quota (`q=100`) beside the share's remaining (`r=24`), and a
+/// client reading them thought it had spent 76.
+#[tokio::test]
+async fn ietf_headers_in_an_outage_name_the_local_quota() {
+    use tower::ServiceExt;
+    let mut server = RedisServer::start();
+    let limiter = limiter(&server.url(), OnStoreError::LocalShare(4), 100).await;
+    server.kill();
+    let layer = fleetlimit::RateLimitLayer::builder(limiter)
+        .key(fleetlimit::key::global())
+        .headers(fleetlimit::HeaderStyle::Ietf)
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(layer);
+    let req = http::Request::get("/")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let response = app.oneshot(req).await.unwrap();
+    assert_eq!(response.status(), http::StatusCode::OK);
+    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok());
+    assert!(
+        header("ratelimit-policy").is_some_and(|p| p.contains(";q=25;")),
+        "{:?}",
+        header("ratelimit-policy")
+    );
+    assert!(
+        header("ratelimit").is_some_and(|r| r.contains(";r=24;")),
+        "{:?}",
+        header("ratelimit")
+    );
+}

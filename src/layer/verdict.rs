@@ -178,7 +178,8 @@ impl Verdict {
         if style != super::HeaderStyle::Ietf {
             return style.write(&[], &self.decisions, shown, headers);
         }
-        self.config.limiter.with_rules_for(&self.targets, |rules| {
+        let limiter = &self.config.limiter;
+        limiter.with_rules_deciding(&self.targets, &self.decisions, |rules| {
             style.write(rules, &self.decisions, shown, headers)
         });
     }

@@ -411,6 +411,44 @@ impl Limiter {
         Some(Box::new(own.with_quota(quota)))
     }
 
+    /// [`with_rules_for`](Limiter::with_rules_for), for headers of `decisions`: a decision the
+    /// local fallback made names the local quota it was made under (a limit of 100 shared among
+    /// four showed `q=100` beside the `r=24` of its share).
+    pub(crate) fn with_rules_deciding<R>(
+        &self,
+        targets: &Targets,
+        decisions: &[Decision],
+        f: impl FnOnce(&[&Rule]) -> R,
+    ) -> R {
+        let policy = match &self.inner.policy {
+            Some(policy)
+                if decisions
+                    .iter()
+                    .any(|d| d.source == crate::Source::Fallback) =>
+            {
+                policy
+            }
+            _ => return self.with_rules_for(targets, f),
+        };
+        self.with_rules_for(targets, |rules| {
+            let local: smallvec::SmallVec<[Option<Rule>; 2]> = rules
+                .iter()
+                .zip(decisions)
+                .map(|(rule, d)| {
+                    (d.source == crate::Source::Fallback)
+                        .then(|| policy.local_rule(rule))
+                        .flatten()
+                })
+                .collect();
+            let deciding: smallvec::SmallVec<[&Rule; 2]> = rules
+                .iter()
+                .zip(local.iter().chain(std::iter::repeat(&None)))
+                .map(|(rule, local)| local.as_ref().unwrap_or(rule))
+                .collect();
+            f(&deciding)
+        })
+    }
+
     /// Call `f` with the rules that decide `targets` now (each target's key override, its
     /// resolved quota, or its rule), borrowed: for headers.
     pub(crate) fn with_rules_for<R>(&self, targets: &Targets, f: impl FnOnce(&[&Rule]) -> R) -> R {

@@ -150,6 +150,23 @@ impl Policy {
         }
     }
 
+    /// The rule the local fallback decides `rule` by (a rule under its own quota, an override or
+    /// a tenant's plan, gets its share of that quota); `None` without a local fallback.
+    pub(crate) fn local_rule(&self, rule: &Rule) -> Option<Rule> {
+        let Policy::Local {
+            rules, local: how, ..
+        } = self
+        else {
+            return None;
+        };
+        let rules = rules.load();
+        match rules.iter().find(|l| l.rule.name() == rule.name()) {
+            Some(local) if local.from == *rule.quota() => Some(local.rule.clone()),
+            Some(local) if matches!(how, LocalQuota::Fixed(_)) => Some(local.rule.clone()),
+            _ => how.rule(rule).ok(),
+        }
+    }
+
     /// Decide `checks` without the store. Every decision is degraded; none carries a receipt.
     pub(crate) fn decide(&self, op: Op, checks: &[Check<'_>]) -> Vec<Decision> {
         let synthetic = |allowed: bool, retry_after: Option<Duration>| {
