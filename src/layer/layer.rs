@@ -357,7 +357,9 @@ impl RateLimitLayerBuilder {
     /// as `shadow_denied` in the metrics) and its response carries
     /// [`RateLimitInfo`](super::RateLimitInfo) with `would_deny: true`. Its refusals earn no
     /// block in the limiter's penalty box: a block is a real listing, enforced by every limiter
-    /// on the store.
+    /// on the store. A rule charged by body size ([`Scope::cost_body`]) is charged up front only
+    /// (the declared length, or a unit for a body of unknown length): its body is not metered
+    /// as it is read, so a byte quota in shadow mode reads low for streamed uploads.
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.config.shadow = shadow;
         self

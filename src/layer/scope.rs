@@ -600,7 +600,10 @@ impl Scope {
     /// charged is charged as the handler reads it: when the rule refuses more, the body ends
     /// with an error and the client gets this layer's denial (429 with `Retry-After`, or the
     /// [`cost_exceeds_limit_status`](super::RateLimitLayerBuilder::cost_exceeds_limit_status)
-    /// for a body the quota can never hold) in place of the handler's response. Without that
+    /// for a body the quota can never hold) in place of the handler's response, when the
+    /// handler reads its body before it answers (a handler that answers first and reads on, in
+    /// a task of its own or while streaming its response, sees the body end with an error, and
+    /// its response stands; the bytes read stay charged). Without that
     /// layer, bodies of unknown length are charged one unit (a warning says so once). An empty
     /// body (`Content-Length: 0`) is not charged. A `unit_bytes` of 0 is rejected when the
     /// layer is built.
