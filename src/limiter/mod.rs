@@ -716,7 +716,10 @@ impl Limiter {
     /// What every rule holds for `key` and whether it is listed, consuming nothing: the
     /// decision a request of cost 1 would get from each rule now (a blocked or denied key reads
     /// as refused, with the wait). An error when the store cannot answer (never the outage
-    /// policy's guess).
+    /// policy's guess). Each rule is read under the key's override if it has one, else under
+    /// the rule's own quota: a quota a scope resolves per request (a tenant's plan through
+    /// [`QuotaCache`](crate::QuotaCache)) needs the request, so a key under such a plan reads
+    /// with the rule's limit.
     pub async fn inspect(&self, key: &Key) -> Result<KeyState, Error> {
         let deadline = Deadline::after(self.inner.deadline);
         let listing = deadline.run(self.inner.store.listing(key)).await??;
