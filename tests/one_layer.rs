@@ -696,6 +696,41 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
     );
     // Another user's POST is not the literal route.
     assert_eq!(call(Method::POST, "/v1/users/you").await, StatusCode::OK);
+
+    // A pattern written relative to the nested router never matches another route's full
+    // path: `/{id}` under `/users` is not `GET /users` (the list), though `/users` alone
+    // would fit `/{id}`.
+    let layer = RateLimitLayer::builder(self::limiter(vec![rule("item", 1)]))
+        .key(key::header("x-account"))
+        .scope("item", Scope::new().route(Method::GET, "/{id}"))
+        .build()
+        .unwrap();
+    let app = Router::new().nest(
+        "/users",
+        Router::new()
+            .route("/", get(|| async { "list" }))
+            .route("/{id}", get(|| async { "item" }))
+            .layer(layer),
+    );
+    let get = |path: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::get(path)
+                .header("x-account", "a")
+                .body(Body::empty())
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        }
+    };
+    for _ in 0..3 {
+        assert_eq!(
+            get("/users").await,
+            StatusCode::OK,
+            "the list is not an item"
+        );
+    }
+    assert_eq!(get("/users/5").await, StatusCode::OK);
+    assert_eq!(get("/users/6").await, StatusCode::TOO_MANY_REQUESTS);
 }
 
 #[tokio::test]

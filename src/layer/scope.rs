@@ -317,11 +317,19 @@ impl PathMatch {
     }
 
     /// Against the path the layer sees and, inside a nested axum router (which strips its
-    /// prefix from the URI), the full path the client sent and the route axum matched.
+    /// prefix from the URI), the full path the client sent and the route axum matched. The
+    /// full path is tried only for a pattern written in full (starting with the nest's
+    /// prefix): a pattern written relative to the nested router (`/{id}` under `/users`) must
+    /// not match another route's full path (`GET /users`, the list).
     fn matches(&self, parts: &Parts) -> bool {
         let path = parts.uri.path();
+        let written = match self {
+            PathMatch::Exact(p) | PathMatch::Prefix(p) => p.as_str(),
+            PathMatch::Pattern { source, .. } => source.as_str(),
+            PathMatch::Invalid { .. } => return false,
+        };
         let either = |test: &dyn Fn(&str) -> bool| {
-            test(path) || original_path(parts).is_some_and(|full| full != path && test(full))
+            test(path) || full_path(parts, path, written).is_some_and(test)
         };
         match self {
             PathMatch::Exact(p) => {
@@ -421,6 +429,23 @@ fn original_path(_: &Parts) -> Option<&str> {
     None
 }
 
+/// The full path the client sent, when the layer sees a path a nested router stripped of its
+/// prefix and `written` (a scope's path) starts with that prefix: a route written in full.
+fn full_path<'a>(parts: &'a Parts, path: &str, written: &str) -> Option<&'a str> {
+    let full = original_path(parts)?;
+    if full == path {
+        return None;
+    }
+    // A nest at `/users` hands `/users` on as `/`, and `/users/7` as `/7`.
+    let prefix = if path == "/" {
+        full.trim_end_matches('/')
+    } else {
+        full.strip_suffix(path)?
+    };
+    let rest = written.strip_prefix(prefix)?;
+    (!prefix.is_empty() && (rest.is_empty() || rest.starts_with('/'))).then_some(full)
+}
+
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Scope")
@@ -451,9 +476,10 @@ impl Scope {
     /// other path matches exactly (the query is never part of it). A path that could not match
     /// as written (an unclosed brace, `{*rest}` before the end, a query, a segment starting
     /// with `*` other than a final `/*`) is an error when the layer is built. Inside an axum
-    /// `Router` the pattern also matches the path the client sent (`OriginalUri`: a nested
-    /// router strips its prefix from the URI) and the route axum matched (`MatchedPath`), so
-    /// nested routers can name their full routes. `GET` also matches `HEAD` (axum's `get()` serves
+    /// `Router` a pattern written in full (starting with a nested router's prefix) also matches
+    /// the path the client sent (`OriginalUri`: a nested router strips its prefix from the URI)
+    /// and the route axum matched (`MatchedPath`), so nested routers can name their full
+    /// routes; a pattern written relative to the nested router matches what it sees. `GET` also matches `HEAD` (axum's `get()` serves
     /// HEAD with the GET handler, so a HEAD request must not go around a GET limit).
     pub fn route(mut self, method: Method, path: &str) -> Scope {
         self.methods = vec![method];
