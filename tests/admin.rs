@@ -338,6 +338,59 @@ async fn refusals_after_an_operators_unblock_count_at_once() {
     .await;
 }
 
+/// A memory store whose listings are full (its bound on keys) writes no penalty block, and says
+/// so: the penalty box then counts the key's refusals again, so a block follows as soon as
+/// there is room (it once read "an entry stands", ignored the key's refusals for the block's
+/// length, and doubled its next block for a block never set).
+#[tokio::test]
+async fn a_penalty_block_the_full_listings_refused_leaves_the_refusals_counting() {
+    use fleetlimit::Penalty;
+    let clock = ManualClock::new(T0);
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(16)
+        .shards(1)
+        .build()
+        .unwrap();
+    let rule = Rule::new(
+        "api",
+        Quota::per_hour(1)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap(),
+    )
+    .unwrap();
+    let a = Limiter::builder(store)
+        .rule(rule)
+        .penalty(Penalty::new(
+            3,
+            Duration::from_secs(600),
+            Duration::from_secs(60),
+        ))
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let operator: Vec<Key> = (0..16).map(|i| Key::new(format!("op{i}"))).collect();
+    for k in &operator {
+        a.block(k, Duration::from_secs(3600)).await.unwrap();
+    }
+    let key = Key::new("hammer");
+    assert_eq!(admitted(&a, &key, 4).await, 1);
+    assert_eq!(
+        a.inspect(&key).await.unwrap().listing,
+        None,
+        "no room for its block"
+    );
+    a.unblock(&operator[0]).await.unwrap();
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(admitted(&a, &key, 3).await, 0);
+    assert_eq!(
+        a.inspect(&key).await.unwrap().listing,
+        Some(Listing::Block(Duration::from_secs(60))),
+        "refused three times more: the first block, not a doubled one"
+    );
+}
+
 /// A key refused 3 times within 10 s is blocked for 2 minutes, then 4, on every instance,
 /// with a `Retry-After` that says so.
 #[tokio::test]

@@ -1339,7 +1339,14 @@ impl Inner {
     /// True when this block was written, within the request's deadline.
     async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) -> bool {
         let Some(request) = request else {
-            return self.penalise(&key, block, None).await == Some(true);
+            let written = self.penalise(&key, block, None).await;
+            if written.is_none() {
+                // Not set (a memory store's full listings): the key's refusals count again.
+                if let Some(penalties) = &self.penalties {
+                    penalties.not_blocked(&key);
+                }
+            }
+            return written == Some(true);
         };
         let record = {
             let me = self.me.clone();

@@ -96,6 +96,9 @@ struct Inner {
 struct Listings {
     map: std::collections::HashMap<Key, Listed>,
     swept: usize,
+    /// A full map swept and still full: until then (µs), a new penalty block is not written,
+    /// without sweeping again.
+    full_until: u64,
 }
 
 /// Concurrency slots held per (limit name, key): each slot's id and when it expires (µs).
@@ -587,19 +590,17 @@ impl Inner {
         self.listed.store(listings.map.len(), Ordering::Release);
     }
 
-    /// Publish `listings` after an entry ending at `end` (if any) was written or one removed:
-    /// a sweep once the map has doubled since the last, else only the count and the later end.
-    fn publish_listings(&self, listings: &mut Listings, end: Option<u64>, now: u64) {
+    /// Publish `listings` after a penalty block ending at `end` was written: a sweep once the
+    /// map has doubled since the last, else only the count and the later end.
+    fn publish_listings(&self, listings: &mut Listings, end: u64, now: u64) {
         if listings.map.len() >= (2 * listings.swept).max(64) {
             return self.settle_listings(listings, now);
         }
-        match end {
+        if listings.map.len() == 1 {
             // The first entry: the end of none (never) does not count.
-            Some(end) if listings.map.len() == 1 => self.listings_end.store(end, Ordering::Relaxed),
-            Some(end) => {
-                self.listings_end.fetch_max(end, Ordering::Relaxed);
-            }
-            None => {}
+            self.listings_end.store(end, Ordering::Relaxed);
+        } else {
+            self.listings_end.fetch_max(end, Ordering::Relaxed);
         }
         self.listed.store(listings.map.len(), Ordering::Release);
     }
@@ -1060,7 +1061,9 @@ impl Shard {
     /// until the shard has doubled (or is full), so the cost per insert stays constant.
     fn sweep(&mut self, now: u64, capacity: usize) {
         self.table.retain(|e| e.expires_at > now);
-        if self.table.len() >= capacity {
+        // Over 7/8 full after the expired are gone: evict down to 7/8 (expiry alone freeing a
+        // few left the shard to fill again at once, and then to refuse new keys).
+        if self.table.len() > capacity - capacity / 8 {
             let keep = capacity - capacity / 8;
             let wanted = self.table.len() + 1 - keep.max(1);
             // A state holding a longer window's count is kept as if used up.
@@ -1345,18 +1348,16 @@ impl Store for MemoryStore {
         let now = self.inner.clock.now_us();
         let mut listings = self.inner.listings.write();
         let current = listings.map.get(key).copied();
-        let written = match (listing, current) {
+        match (listing, current) {
             (None, _) => {
                 listings.map.remove(key);
-                None
             }
             // The deny stands; a block of zero ends a block, nothing else.
-            (Some(Listing::Block(_)), Some(Listed::Deny)) => None,
+            (Some(Listing::Block(_)), Some(Listed::Deny)) => {}
             (Some(Listing::Block(d)), current) if d.as_micros() == 0 => {
                 if !matches!(current, Some(Listed::Allow)) {
                     listings.map.remove(key);
                 }
-                None
             }
             (Some(l), _) => {
                 let held = match l {
@@ -1365,10 +1366,11 @@ impl Store for MemoryStore {
                     Listing::Block(d) => Listed::Until(block_end(now, d)),
                 };
                 listings.map.insert(key.clone(), held);
-                Some(held.end())
             }
-        };
-        self.inner.publish_listings(&mut listings, written, now);
+        }
+        // An operator's call, rare: settled whole, so that an entry removed or replaced (a deny
+        // that never ends) no longer holds back the end after which decisions stop looking.
+        self.inner.settle_listings(&mut listings, now);
         drop(listings);
         let in_force = self.inner.listed(key, now).map(|l| match l {
             Listed::Allow => Listing::Allow,
@@ -1391,17 +1393,26 @@ impl Store for MemoryStore {
             Some(Listed::Until(t)) => *t > now && *t >= until,
             None => {
                 // A full map takes no new penalty block (a spray of refused keys must not grow
-                // it past the store's bound): sweep the ended ones first, then give up.
+                // it past the store's bound): sweep the ended ones first (once a second at
+                // most), then give up.
                 let capacity = self.inner.listings_capacity();
-                if listings.map.len() >= capacity {
+                if listings.map.len() >= capacity && now >= listings.full_until {
                     self.inner.settle_listings(&mut listings, now);
+                    if listings.map.len() >= capacity {
+                        listings.full_until = now.saturating_add(FULL_RETRY);
+                    }
                 }
-                listings.map.len() >= capacity
+                if listings.map.len() >= capacity {
+                    return Box::pin(std::future::ready(Err(StoreError::Script(
+                        "the memory store's listings are full (its bound on keys); no penalty block written".into(),
+                    ))));
+                }
+                false
             }
         };
         if !stands {
             listings.map.insert(key.clone(), Listed::Until(until));
-            self.inner.publish_listings(&mut listings, Some(until), now);
+            self.inner.publish_listings(&mut listings, until, now);
         }
         Box::pin(std::future::ready(Ok(!stands)))
     }
@@ -1924,6 +1935,51 @@ mod tests {
         assert!(s.check(Op::Consume, &batch[0]).allowed);
     }
 
+    /// A full shard where a few entries expired and the rest are barely used: the sweep evicts
+    /// down to 7/8 as well, and the next new keys get entries of their own (a sweep that let
+    /// expiry alone free a few left the shard to fill at once and refuse new keys for a
+    /// second).
+    #[test]
+    fn a_sweep_that_expires_a_few_still_evicts_the_barely_used() {
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .max_keys(64)
+            .overflow(Overflow::Refuse {
+                retry_after: Duration::from_secs(1),
+            })
+            .build()
+            .unwrap();
+        let hourly = Rule::new(
+            "hourly",
+            Quota::per_hour(100)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let brief = rule("brief", Algorithm::Gcra, 10);
+        for i in 0..60u32 {
+            assert!(
+                s.check(Op::Consume, &one(&hourly, &Key::new(i.to_be_bytes()), 1)[0])
+                    .allowed
+            );
+        }
+        for i in 0..4u32 {
+            let k = Key::new(format!("brief{i}"));
+            assert!(s.check(Op::Consume, &one(&brief, &k, 1)[0]).allowed);
+        }
+        clock.advance(Duration::from_secs(1));
+        for i in 0..9u32 {
+            let k = Key::new(format!("new{i}"));
+            assert!(
+                s.check(Op::Consume, &one(&hourly, &k, 1)[0]).allowed,
+                "new key {i} refused"
+            );
+        }
+    }
+
     /// A full shard whose entries expire one by one (GCRA keys that came a millisecond apart)
     /// is not swept for every new key, each sweep freeing one entry: the next sweep waits until
     /// an eighth of them have expired.
@@ -2058,24 +2114,37 @@ mod tests {
         let block = Duration::from_secs(60);
         let mut written = 0;
         for i in 0..100 {
-            if s.block_unless_listed(&Key::new(format!("k{i}")), block)
+            match s
+                .block_unless_listed(&Key::new(format!("k{i}")), block)
                 .await
-                .unwrap()
             {
-                written += 1;
+                Ok(true) => written += 1,
+                Ok(false) => panic!("nothing stands for k{i}"),
+                // Not written: said, so that the penalty box counts the key's refusals again.
+                Err(e) => assert!(e.to_string().contains("full"), "{e}"),
             }
         }
         assert_eq!(written, 16);
+        // Full and swept: the next ones within the second give up without sweeping.
+        let full_until = s.inner.listings.read().full_until;
+        assert!(full_until > clock.now_us(), "{full_until}");
         assert_eq!(s.inner.listings.read().map.len(), 16);
         let operator = Key::new("operator");
         s.set_listing(&operator, Some(Listing::Deny)).await.unwrap();
         assert_eq!(s.listing(&operator).await.unwrap(), Some(Listing::Deny));
+        // The deny lifted, the end of the listings is the blocks' again: once they end,
+        // decisions stop looking (a deny removed once kept them looking for ever).
+        s.set_listing(&operator, None).await.unwrap();
+        assert_eq!(
+            s.inner.listings_end.load(Ordering::Relaxed),
+            clock.now_us() + block.as_micros() as u64
+        );
         clock.advance(block);
         assert!(s
             .block_unless_listed(&Key::new("later"), block)
             .await
             .unwrap());
-        assert_eq!(s.inner.listings.read().map.len(), 2, "the ended ones swept");
+        assert_eq!(s.inner.listings.read().map.len(), 1, "the ended ones swept");
     }
 
     /// Pauses are capped as the Redis store caps them: about 49 days, not a pushback date
