@@ -90,6 +90,11 @@ struct Inner {
     fallback: Option<Fallback>,
     /// The store failed and has not answered since: an outage, said once.
     failing: AtomicBool,
+    /// The outage's start was said (at most once in a while: a store failing some calls and
+    /// answering others, a cluster master down under mixed traffic, flips `failing` per
+    /// request), so its end is said too.
+    said: crate::limiter::telemetry::Throttled,
+    said_outage: AtomicBool,
 }
 
 impl Inner {
@@ -97,7 +102,9 @@ impl Inner {
     fn answered(&self) {
         if self.failing.load(Ordering::Relaxed) {
             self.failing.store(false, Ordering::Relaxed);
-            tracing::info!(name = %self.name, "fleetlimit: concurrency slots available again");
+            if self.said_outage.swap(false, Ordering::Relaxed) {
+                tracing::info!(name = %self.name, "fleetlimit: concurrency slots available again");
+            }
         }
     }
 }
@@ -238,10 +245,13 @@ impl ConcurrencyLimiter {
 
     fn fallback(&self, key: &Key, id: u64, share: u64, error: &StoreError) -> Acquired {
         // Once per outage at `warn` (every request would say it again), then at `debug`; the
-        // first answer from the store ends the outage.
-        if self.inner.failing.swap(true, Ordering::Relaxed) {
+        // first answer from the store ends the outage. Outages that come and go per request
+        // (some calls failing) are said once in a while.
+        let started = !self.inner.failing.swap(true, Ordering::Relaxed);
+        if !started || !self.inner.said.due() {
             tracing::debug!(name = %self.inner.name, %error, "fleetlimit: concurrency slots unavailable");
         } else {
+            self.inner.said_outage.store(true, Ordering::Relaxed);
             tracing::warn!(
                 name = %self.inner.name,
                 %error,
@@ -333,6 +343,8 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
                 deadline: self.deadline,
                 fallback,
                 failing: AtomicBool::new(false),
+                said: Default::default(),
+                said_outage: AtomicBool::new(false),
             }),
         })
     }

@@ -274,3 +274,70 @@ async fn ten_thousand_keys_add_no_series() {
         "keys never appear"
     );
 }
+
+/// What a limiter built under `recorder` reports, as `name{labels} value` lines.
+fn local_count(
+    recorder: &metrics_exporter_prometheus::PrometheusRecorder,
+    metric: &str,
+    label: &str,
+) -> f64 {
+    recorder
+        .handle()
+        .render()
+        .lines()
+        .filter(|l| l.starts_with(metric) && l.contains(label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// Only decisions' calls go in `fleetlimit_store_call_seconds{call="apply"}`: pause reads (the
+/// outbound layer asks twice per call, per rule) went there too and tripled its count. And
+/// `fleetlimit_lease_blocks_total` counts blocks leased and kept, not a lease that granted
+/// nothing (a key whose quota is spent).
+#[tokio::test]
+async fn store_call_times_and_lease_blocks_count_what_they_name() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let hot = || rule("counted-leases", 100);
+    let leased = metrics::with_local_recorder(&recorder, || {
+        Limiter::builder(store.clone())
+            .rule(hot())
+            .on_store_error(OnStoreError::fail_closed())
+            .deadline(Duration::from_secs(2))
+            .lease("counted-leases", fleetlimit::LeaseConfig::fixed(10))
+            .build()
+            .unwrap()
+    });
+    let key = Key::new("k");
+    for _ in 0..10 {
+        assert_eq!(leased.paused_for(&key).await, None);
+    }
+    let apply = r#"call="apply""#;
+    assert_eq!(
+        local_count(&recorder, "fleetlimit_store_call_seconds_count", apply),
+        0.0,
+        "pause reads are no decisions"
+    );
+    // The quota spent by an unleased limiter on the same store: a lease grants nothing.
+    let plain = Limiter::builder(store)
+        .rule(hot())
+        .on_store_error(OnStoreError::fail_closed())
+        .deadline(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    consume(&plain, "k", 100).await;
+    assert!(!leased.consume(&key, 1).await.unwrap().allowed);
+    let blocks = r#"rule="counted-leases""#;
+    assert_eq!(
+        local_count(&recorder, "fleetlimit_lease_blocks_total", blocks),
+        0.0
+    );
+    // A fresh key leases a block and keeps it: counted.
+    let fresh = leased.consume(&Key::new("fresh"), 1).await.unwrap();
+    assert_eq!(fresh.source, fleetlimit::Source::Lease, "{fresh:?}");
+    assert_eq!(
+        local_count(&recorder, "fleetlimit_lease_blocks_total", blocks),
+        1.0
+    );
+}

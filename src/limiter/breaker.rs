@@ -52,6 +52,9 @@ pub(crate) enum Admission {
 
 #[derive(Debug, Default)]
 pub(crate) struct Breaker {
+    /// The first failure after a success is said at `warn` once in a while, not each time:
+    /// failures spread between successes never open the breaker, and each would be "first".
+    first_failure_said: super::telemetry::Throttled,
     consecutive_failures: AtomicU32,
     /// 0 while closed; else when the next probe may go (µs on the limiter's clock).
     open_until: AtomicU64,
@@ -284,13 +287,16 @@ impl Breakers {
                         );
                     }
                     // Why a decision left the store (a cluster slot moving, a node gone) is
-                    // worth one line per episode, not one per request.
-                    Transition::FirstFailure => tracing::warn!(
-                        rule,
-                        domain,
-                        %error,
-                        "fleetlimit: store call failed; this decision follows the outage policy"
-                    ),
+                    // worth one line per episode, not one per request, and episodes of one
+                    // failure each (a store failing one call in three) a line in a while.
+                    Transition::FirstFailure if breaker.first_failure_said.due() => {
+                        tracing::warn!(
+                            rule,
+                            domain,
+                            %error,
+                            "fleetlimit: store call failed; this decision follows the outage policy"
+                        )
+                    }
                     _ => tracing::debug!(rule, domain, %error, "fleetlimit: store call failed"),
                 }
                 if probe {
@@ -324,6 +330,53 @@ impl Breakers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store failing every other call never opens the breaker, and each failure follows a
+    /// success: said at `warn` once, not once per failure (it was 10 of 20 calls).
+    #[test]
+    fn failures_spread_between_successes_are_said_once() {
+        #[derive(Clone, Default)]
+        struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let breakers = Breakers::new(1, BreakerConfig::default());
+        tracing::subscriber::with_default(subscriber, || {
+            runtime.block_on(async {
+                for i in 0..20 {
+                    let deadline = Deadline::after(Duration::from_secs(1));
+                    let answer = if i % 2 == 0 {
+                        Err(StoreError::Connection("refused".into()))
+                    } else {
+                        Ok(())
+                    };
+                    breakers
+                        .call(0, "r", || 0, deadline, async move { answer })
+                        .await;
+                }
+            })
+        });
+        let out = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(out.matches("store call failed").count(), 1, "{out}");
+        assert_eq!(breakers.opened.load(Ordering::Relaxed), 0);
+    }
 
     /// A limiter on a store that answers no call within its deadline, failing open, whose
     /// breaker opens at the first failure for 250 ms, on Tokio's (paused) time.

@@ -104,8 +104,11 @@ impl HeavyHitters {
             state.current = Summary::default();
             state.started = now;
         } else if elapsed >= self.period_us {
+            // The next period starts where this one ends, not now: started late, `current`
+            // would span up to two periods, and a flood nearly three periods old would still
+            // be listed.
             state.previous = std::mem::take(&mut state.current);
-            state.started = now;
+            state.started += self.period_us;
         }
     }
 
@@ -146,6 +149,26 @@ impl HeavyHitters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Periods follow one another from the first: a flood in one period is listed for the
+    /// next one at most, however late the refusal that rolls it comes (a stray refusal 119 s
+    /// into a minute's counting once started the next period then, and a flood nearly three
+    /// minutes old was still listed).
+    #[test]
+    fn a_flood_is_listed_over_one_to_two_periods_only() {
+        const S: u64 = 1_000_000;
+        let h = HeavyHitters::new(10, Duration::from_secs(60), true);
+        h.denied(&Key::new("a"), 1000 * S);
+        h.denied(&Key::new("b"), 1119 * S);
+        assert!(
+            h.top(10, 1119 * S).iter().any(|x| x.key == "a"),
+            "within two periods"
+        );
+        assert!(
+            h.top(10, 1178 * S).iter().all(|x| x.key != "a"),
+            "a flood 178 s old is past the last two periods"
+        );
+    }
 
     /// A period as long as a `Duration` goes is accepted, and never overflows a roll.
     #[test]

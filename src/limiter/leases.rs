@@ -464,9 +464,6 @@ impl Inner {
             return Ok(decision);
         }
         self.listings.observe(check.key, &lease.state, started);
-        if let Some(index) = self.rule_index(check.rule) {
-            self.telemetry.lease_block(index);
-        }
         let block = |permits: u64| Block {
             permits: AtomicU64::new(permits),
             deadline: started + lease.valid_for.as_micros() as u64,
@@ -476,6 +473,11 @@ impl Inner {
             generation,
         };
         if lease.permits >= check.cost {
+            // A block leased and kept: what the metric counts (not a lease that granted too
+            // little for this request, which goes straight back).
+            if let Some(index) = self.rule_index(check.rule) {
+                self.telemetry.lease_block(index);
+            }
             let fresh = block(lease.permits - check.cost);
             let decision = fresh.admission(lease.permits - check.cost, check.cost, started);
             let old = slot.block.swap(Arc::new(fresh));

@@ -151,12 +151,17 @@ impl Telemetry {
     pub(crate) fn store_call(&self, call: &'static str, took: Duration, failed: bool) {
         #[cfg(feature = "metrics")]
         {
+            // Only the calls the histogram's `call` label names: pause reads and writes, and
+            // penalty blocks, are not decisions, and mixed into `apply` they skewed it.
             let i = match call {
-                "refund" => 1,
-                "lease" => 2,
-                _ => 0,
+                "apply" => Some(0),
+                "refund" => Some(1),
+                "lease" => Some(2),
+                _ => None,
             };
-            self.calls[i].record(took.as_secs_f64());
+            if let Some(i) = i {
+                self.calls[i].record(took.as_secs_f64());
+            }
             if failed {
                 self.errors.increment(1);
             }
@@ -199,5 +204,48 @@ pub(crate) fn breakers_open_changed(before: u64, now: u64) {
         } else if before > now {
             gauge.decrement((before - now) as f64);
         }
+    }
+}
+
+/// A log line for a condition that can come and go with every request (a store failing one call
+/// in three, a cluster master down under mixed traffic): said at most once in
+/// [`SAID_EVERY`], whatever the flips between.
+#[derive(Debug, Default)]
+pub(crate) struct Throttled(std::sync::atomic::AtomicU64);
+
+/// How often a [`Throttled`] line may be said.
+pub(crate) const SAID_EVERY: Duration = Duration::from_secs(10);
+
+impl Throttled {
+    /// Whether to say it now (and then not again for [`SAID_EVERY`]).
+    pub(crate) fn due(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        // Milliseconds since the first line, plus one: 0 is "never said".
+        let now = EPOCH
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_millis() as u64
+            + 1;
+        let last = self.0.load(Ordering::Relaxed);
+        if last != 0 && now.saturating_sub(last) < SAID_EVERY.as_millis() as u64 {
+            return false;
+        }
+        self.0
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+}
+
+#[cfg(test)]
+mod throttled_tests {
+    use super::*;
+
+    #[test]
+    fn said_once_then_quiet() {
+        let t = Throttled::default();
+        assert!(t.due());
+        assert!(!t.due());
+        assert!(!t.due());
     }
 }
