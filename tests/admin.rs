@@ -344,6 +344,14 @@ async fn refusals_after_an_operators_unblock_count_at_once() {
 /// length, and doubled its next block for a block never set).
 #[tokio::test]
 async fn a_penalty_block_the_full_listings_refused_leaves_the_refusals_counting() {
+    full_listings_leave_the_refusals_counting(None).await;
+    // With an outage policy, the penalty box's calls go through the breaker: a full map is
+    // no store failure (answered as an error, it opened the breaker after three, and every
+    // decision followed the policy).
+    full_listings_leave_the_refusals_counting(Some(OnStoreError::FailOpen)).await;
+}
+
+async fn full_listings_leave_the_refusals_counting(policy: Option<OnStoreError>) {
     use fleetlimit::Penalty;
     let clock = ManualClock::new(T0);
     let store = MemoryStore::builder()
@@ -360,16 +368,18 @@ async fn a_penalty_block_the_full_listings_refused_leaves_the_refusals_counting(
             .unwrap(),
     )
     .unwrap();
-    let a = Limiter::builder(store)
+    let builder = Limiter::builder(store)
         .rule(rule)
         .penalty(Penalty::new(
             3,
             Duration::from_secs(600),
             Duration::from_secs(60),
         ))
-        .clock(clock.clone())
-        .build()
-        .unwrap();
+        .clock(clock.clone());
+    let a = match policy {
+        Some(policy) => builder.on_store_error(policy).build().unwrap(),
+        None => builder.build().unwrap(),
+    };
     let operator: Vec<Key> = (0..16).map(|i| Key::new(format!("op{i}"))).collect();
     for k in &operator {
         a.block(k, Duration::from_secs(3600)).await.unwrap();
@@ -380,6 +390,14 @@ async fn a_penalty_block_the_full_listings_refused_leaves_the_refusals_counting(
         a.inspect(&key).await.unwrap().listing,
         None,
         "no room for its block"
+    );
+    // More refusals, more blocks earned and not written: none is a store failure.
+    assert_eq!(admitted(&a, &key, 9).await, 0);
+    let stats = a.stats();
+    assert_eq!(
+        (stats.store_errors, stats.breaker_opened),
+        (0, 0),
+        "{stats:?}"
     );
     a.unblock(&operator[0]).await.unwrap();
     clock.advance(Duration::from_secs(1));

@@ -1340,11 +1340,8 @@ impl Inner {
     async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) -> bool {
         let Some(request) = request else {
             let written = self.penalise(&key, block, None).await;
-            if written.is_none() {
-                // Not set (a memory store's full listings): the key's refusals count again.
-                if let Some(penalties) = &self.penalties {
-                    penalties.not_blocked(&key);
-                }
+            if written != Some(true) {
+                self.not_blocked(&key);
             }
             return written == Some(true);
         };
@@ -1354,10 +1351,10 @@ impl Inner {
                 let inner = me.upgrade()?;
                 let budget = Deadline::after(inner.deadline);
                 let written = inner.penalise(&key, block, Some(budget)).await;
+                if written != Some(true) {
+                    inner.not_blocked(&key);
+                }
                 if written.is_none() {
-                    if let Some(penalties) = &inner.penalties {
-                        penalties.not_blocked(&key);
-                    }
                     tracing::warn!(key = %key, "fleetlimit: the penalty box could not block a key");
                 }
                 written
@@ -1366,6 +1363,15 @@ impl Inner {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => matches!(request.run(runtime.spawn(record)).await, Ok(Ok(Some(true)))),
             Err(_) => record.await == Some(true),
+        }
+    }
+
+    /// The block the penalty box counted for `key` was not written (the store failed, an
+    /// operator's entry stands, or a memory store's listings are full): the key's refusals
+    /// count again, and its next block is not doubled for this one.
+    fn not_blocked(&self, key: &Key) {
+        if let Some(penalties) = &self.penalties {
+            penalties.not_blocked(key);
         }
     }
 
