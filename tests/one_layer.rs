@@ -731,6 +731,35 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
     }
     assert_eq!(get("/users/5").await, StatusCode::OK);
     assert_eq!(get("/users/6").await, StatusCode::TOO_MANY_REQUESTS);
+
+    // A nest whose prefix has a parameter: the full route, its parameters named otherwise,
+    // matches by the prefix as the router wrote it.
+    let layer = RateLimitLayer::builder(self::limiter(vec![rule("tenant-users", 1)]))
+        .key(key::header("x-account"))
+        .scope(
+            "tenant-users",
+            Scope::new().route(Method::PUT, "/t/{t}/users/{user}"),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new().nest(
+        "/t/{tenant}",
+        Router::new()
+            .route("/users/{id}", axum::routing::put(|| async { "put" }))
+            .layer(layer),
+    );
+    let put = |path: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::put(path)
+                .header("x-account", "a")
+                .body(Body::empty())
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        }
+    };
+    assert_eq!(put("/t/acme/users/7").await, StatusCode::OK);
+    assert_eq!(put("/t/acme/users/8").await, StatusCode::TOO_MANY_REQUESTS);
 }
 
 #[tokio::test]

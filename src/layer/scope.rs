@@ -430,7 +430,9 @@ fn original_path(_: &Parts) -> Option<&str> {
 }
 
 /// The full path the client sent, when the layer sees a path a nested router stripped of its
-/// prefix and `written` (a scope's path) starts with that prefix: a route written in full.
+/// prefix and `written` (a scope's path) starts with that prefix: a route written in full. The
+/// prefix is compared as the client sent it (`/v1`) or as the router wrote it, from the route
+/// axum matched (`/t/{tenant}` for `/t/acme`), parameters named as the scope likes.
 fn full_path<'a>(parts: &'a Parts, path: &str, written: &str) -> Option<&'a str> {
     let full = original_path(parts)?;
     if full == path {
@@ -442,8 +444,24 @@ fn full_path<'a>(parts: &'a Parts, path: &str, written: &str) -> Option<&'a str>
     } else {
         full.strip_suffix(path)?
     };
-    let rest = written.strip_prefix(prefix)?;
-    (!prefix.is_empty() && (rest.is_empty() || rest.starts_with('/'))).then_some(full)
+    if prefix.is_empty() {
+        return None;
+    }
+    let depth = prefix.split('/').count() - 1;
+    let head: Vec<&str> = written.split('/').skip(1).take(depth).collect();
+    if head.len() < depth {
+        return None;
+    }
+    let is_param = |s: &str| s.contains('{') && !s.contains("{{");
+    let starts_like = |template: &str| {
+        let mut segments = template.split('/').skip(1);
+        head.iter().all(|w| {
+            segments
+                .next()
+                .is_some_and(|t| *w == t || (is_param(w) && is_param(t)))
+        })
+    };
+    (starts_like(prefix) || matched_path(parts).is_some_and(starts_like)).then_some(full)
 }
 
 impl fmt::Debug for Scope {
@@ -476,7 +494,8 @@ impl Scope {
     /// other path matches exactly (the query is never part of it). A path that could not match
     /// as written (an unclosed brace, `{*rest}` before the end, a query, a segment starting
     /// with `*` other than a final `/*`) is an error when the layer is built. Inside an axum
-    /// `Router` a pattern written in full (starting with a nested router's prefix) also matches
+    /// `Router` a pattern written in full (starting with a nested router's prefix, as the client
+    /// sends it or as the router writes it, parameters named as you like) also matches
     /// the path the client sent (`OriginalUri`: a nested router strips its prefix from the URI)
     /// and the route axum matched (`MatchedPath`), so nested routers can name their full
     /// routes; a pattern written relative to the nested router matches what it sees. `GET` also matches `HEAD` (axum's `get()` serves
