@@ -247,8 +247,11 @@ impl ConcurrencyLimiter {
         // Once per outage at `warn` (every request would say it again), then at `debug`; the
         // first answer from the store ends the outage. Outages that come and go per request
         // (some calls failing) are said once in a while.
-        let started = !self.inner.failing.swap(true, Ordering::Relaxed);
-        if !started || !self.inner.said.due() {
+        self.inner.failing.store(true, Ordering::Relaxed);
+        // Said once per outage, and an outage that begins within 10 s of the last one said is
+        // said as soon as those 10 s are up, not never.
+        let say = !self.inner.said_outage.load(Ordering::Relaxed) && self.inner.said.due();
+        if !say {
             tracing::debug!(name = %self.inner.name, %error, "fleetlimit: concurrency slots unavailable");
         } else {
             self.inner.said_outage.store(true, Ordering::Relaxed);

@@ -2,9 +2,10 @@
 //! deadline on every request for a cool-down, then let one probe through.
 //!
 //! Promise: a failure is charged to the domain whose call failed, and only to it (one dead
-//! cluster master never opens a healthy master's breaker); the first failure after a success and
-//! each state change are logged once, naming the rule, the domain (a cluster master) and the
-//! error; an open breaker's state is read from the clock, not from the next call.
+//! cluster master never opens a healthy master's breaker); each state change is logged once, and
+//! the first failure after a success at most once in 10 s (failures spread between successes
+//! are each a "first"), naming the rule, the domain (a cluster master) and the error; an open
+//! breaker's state is read from the clock, not from the next call.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -288,7 +289,7 @@ impl Breakers {
                     }
                     // Why a decision left the store (a cluster slot moving, a node gone) is
                     // worth one line per episode, not one per request, and episodes of one
-                    // failure each (a store failing one call in three) a line in a while.
+                    // failure each (a store failing one call in three) a line in 10 s at most.
                     Transition::FirstFailure if breaker.first_failure_said.due() => {
                         tracing::warn!(
                             rule,

@@ -219,14 +219,15 @@ pub(crate) const SAID_EVERY: Duration = Duration::from_secs(10);
 impl Throttled {
     /// Whether to say it now (and then not again for [`SAID_EVERY`]).
     pub(crate) fn due(&self) -> bool {
-        use std::sync::atomic::Ordering;
         static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
         // Milliseconds since the first line, plus one: 0 is "never said".
-        let now = EPOCH
-            .get_or_init(std::time::Instant::now)
-            .elapsed()
-            .as_millis() as u64
-            + 1;
+        let now = EPOCH.get_or_init(std::time::Instant::now).elapsed();
+        self.due_at(now.as_millis() as u64 + 1)
+    }
+
+    /// [`due`](Throttled::due) at `now` (ms, above 0).
+    fn due_at(&self, now: u64) -> bool {
+        use std::sync::atomic::Ordering;
         let last = self.0.load(Ordering::Relaxed);
         if last != 0 && now.saturating_sub(last) < SAID_EVERY.as_millis() as u64 {
             return false;
@@ -247,5 +248,15 @@ mod throttled_tests {
         assert!(t.due());
         assert!(!t.due());
         assert!(!t.due());
+    }
+
+    /// Once in 10 s: quiet within them, said again once they are up.
+    #[test]
+    fn said_again_once_the_interval_is_up() {
+        let t = Throttled::default();
+        assert!(t.due_at(1));
+        assert!(!t.due_at(9_999));
+        assert!(t.due_at(10_001));
+        assert!(!t.due_at(10_002));
     }
 }
