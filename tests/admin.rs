@@ -338,75 +338,61 @@ async fn refusals_after_an_operators_unblock_count_at_once() {
     .await;
 }
 
-/// A memory store whose listings are full (its bound on keys) writes no penalty block, and says
-/// so: the penalty box then counts the key's refusals again, so a block follows as soon as
-/// there is room (it once read "an entry stands", ignored the key's refusals for the block's
-/// length, and doubled its next block for a block never set).
+/// A memory store's listings past its bound on keys: every offender still earns its block (the
+/// blocks ending soonest make room), and, with an outage policy, a full map is no store failure
+/// (a "full" error once opened the breaker after three, and every decision followed the policy;
+/// "full" answered as "an entry stands" left the box ignoring a key never blocked).
 #[tokio::test]
-async fn a_penalty_block_the_full_listings_refused_leaves_the_refusals_counting() {
-    full_listings_leave_the_refusals_counting(None).await;
-    // With an outage policy, the penalty box's calls go through the breaker: a full map is
-    // no store failure (answered as an error, it opened the breaker after three, and every
-    // decision followed the policy).
-    full_listings_leave_the_refusals_counting(Some(OnStoreError::FailOpen)).await;
-}
-
-async fn full_listings_leave_the_refusals_counting(policy: Option<OnStoreError>) {
-    use fleetlimit::Penalty;
-    let clock = ManualClock::new(T0);
-    let store = MemoryStore::builder()
-        .clock(clock.clone())
-        .max_keys(16)
-        .shards(1)
-        .build()
-        .unwrap();
-    let rule = Rule::new(
-        "api",
-        Quota::per_hour(1)
-            .algorithm(Algorithm::FixedWindow)
+async fn offenders_past_the_bound_on_keys_are_still_blocked() {
+    for policy in [None, Some(OnStoreError::FailOpen)] {
+        use fleetlimit::Penalty;
+        let clock = ManualClock::new(T0);
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(16)
+            .shards(1)
             .build()
-            .unwrap(),
-    )
-    .unwrap();
-    let builder = Limiter::builder(store)
-        .rule(rule)
-        .penalty(Penalty::new(
-            3,
-            Duration::from_secs(600),
-            Duration::from_secs(60),
-        ))
-        .clock(clock.clone());
-    let a = match policy {
-        Some(policy) => builder.on_store_error(policy).build().unwrap(),
-        None => builder.build().unwrap(),
-    };
-    let operator: Vec<Key> = (0..16).map(|i| Key::new(format!("op{i}"))).collect();
-    for k in &operator {
-        a.block(k, Duration::from_secs(3600)).await.unwrap();
+            .unwrap();
+        let rule = Rule::new(
+            "api",
+            Quota::per_hour(1)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let builder = Limiter::builder(store)
+            .rule(rule)
+            .penalty(Penalty::new(
+                3,
+                Duration::from_secs(600),
+                Duration::from_secs(60),
+            ))
+            .clock(clock.clone());
+        let with_policy = policy.is_some();
+        let a = match policy {
+            Some(policy) => builder.on_store_error(policy).build().unwrap(),
+            None => builder.build().unwrap(),
+        };
+        for i in 0..40 {
+            let key = Key::new(format!("offender{i}"));
+            // Past the 16 states too, new keys share the rule's overflow state: refused or
+            // not, four requests are at least three refusals.
+            assert!(admitted(&a, &key, 4).await <= 1);
+            assert_eq!(
+                a.inspect(&key).await.unwrap().listing,
+                Some(Listing::Block(Duration::from_secs(60))),
+                "offender {i}, with a policy: {with_policy}"
+            );
+            clock.advance(Duration::from_millis(10));
+        }
+        let stats = a.stats();
+        assert_eq!(
+            (stats.store_errors, stats.breaker_opened),
+            (0, 0),
+            "{stats:?}"
+        );
     }
-    let key = Key::new("hammer");
-    assert_eq!(admitted(&a, &key, 4).await, 1);
-    assert_eq!(
-        a.inspect(&key).await.unwrap().listing,
-        None,
-        "no room for its block"
-    );
-    // More refusals, more blocks earned and not written: none is a store failure.
-    assert_eq!(admitted(&a, &key, 9).await, 0);
-    let stats = a.stats();
-    assert_eq!(
-        (stats.store_errors, stats.breaker_opened),
-        (0, 0),
-        "{stats:?}"
-    );
-    a.unblock(&operator[0]).await.unwrap();
-    clock.advance(Duration::from_secs(1));
-    assert_eq!(admitted(&a, &key, 3).await, 0);
-    assert_eq!(
-        a.inspect(&key).await.unwrap().listing,
-        Some(Listing::Block(Duration::from_secs(60))),
-        "refused three times more: the first block, not a doubled one"
-    );
 }
 
 /// A key refused 3 times within 10 s is blocked for 2 minutes, then 4, on every instance,

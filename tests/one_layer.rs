@@ -732,13 +732,14 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
     assert_eq!(get("/users/5").await, StatusCode::OK);
     assert_eq!(get("/users/6").await, StatusCode::TOO_MANY_REQUESTS);
 
-    // A nest whose prefix has a parameter: the full route, its parameters named otherwise,
-    // matches by the prefix as the router wrote it.
+    // A nest whose prefix has a parameter: the full route matches by the prefix as the router
+    // wrote it, the route's own parameters named as the scope likes; a pattern starting with a
+    // parameter of its own is the nested router's (`/{id}` is not the nest's root, `GET /acme`).
     let layer = RateLimitLayer::builder(self::limiter(vec![rule("tenant-users", 1)]))
         .key(key::header("x-account"))
         .scope(
             "tenant-users",
-            Scope::new().route(Method::PUT, "/t/{t}/users/{user}"),
+            Scope::new().route(Method::PUT, "/t/{tenant}/users/{user}"),
         )
         .build()
         .unwrap();
@@ -760,6 +761,38 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
     };
     assert_eq!(put("/t/acme/users/7").await, StatusCode::OK);
     assert_eq!(put("/t/acme/users/8").await, StatusCode::TOO_MANY_REQUESTS);
+
+    let layer = RateLimitLayer::builder(self::limiter(vec![rule("tenant-item", 1)]))
+        .key(key::header("x-account"))
+        .scope("tenant-item", Scope::new().route(Method::GET, "/{id}"))
+        .build()
+        .unwrap();
+    let app = Router::new().nest(
+        "/{tenant}",
+        Router::new()
+            .route("/", axum::routing::get(|| async { "root" }))
+            .route("/{id}", axum::routing::get(|| async { "item" }))
+            .layer(layer),
+    );
+    let get = |path: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::get(path)
+                .header("x-account", "a")
+                .body(Body::empty())
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        }
+    };
+    for _ in 0..3 {
+        assert_eq!(
+            get("/acme").await,
+            StatusCode::OK,
+            "the nest's root is no item"
+        );
+    }
+    assert_eq!(get("/acme/7").await, StatusCode::OK);
+    assert_eq!(get("/acme/8").await, StatusCode::TOO_MANY_REQUESTS);
 }
 
 #[tokio::test]

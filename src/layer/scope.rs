@@ -432,7 +432,9 @@ fn original_path(_: &Parts) -> Option<&str> {
 /// The full path the client sent, when the layer sees a path a nested router stripped of its
 /// prefix and `written` (a scope's path) starts with that prefix: a route written in full. The
 /// prefix is compared as the client sent it (`/v1`) or as the router wrote it, from the route
-/// axum matched (`/t/{tenant}` for `/t/acme`), parameters named as the scope likes.
+/// axum matched (`/t/{tenant}` for `/t/acme`), parameters named as the router names them (a
+/// pattern starting with a parameter of its own, `/{id}` under `/{tenant}`, is the nested
+/// router's, not the full route).
 fn full_path<'a>(parts: &'a Parts, path: &str, written: &str) -> Option<&'a str> {
     let full = original_path(parts)?;
     if full == path {
@@ -448,18 +450,14 @@ fn full_path<'a>(parts: &'a Parts, path: &str, written: &str) -> Option<&'a str>
         return None;
     }
     let depth = prefix.split('/').count() - 1;
-    let head: Vec<&str> = written.split('/').skip(1).take(depth).collect();
-    if head.len() < depth {
-        return None;
-    }
-    let is_param = |s: &str| s.contains('{') && !s.contains("{{");
     let starts_like = |template: &str| {
-        let mut segments = template.split('/').skip(1);
-        head.iter().all(|w| {
-            segments
-                .next()
-                .is_some_and(|t| *w == t || (is_param(w) && is_param(t)))
-        })
+        let mut written = written.split('/').skip(1);
+        template
+            .split('/')
+            .skip(1)
+            .take(depth)
+            .all(|t| written.next() == Some(t))
+            && template.split('/').count() > depth
     };
     (starts_like(prefix) || matched_path(parts).is_some_and(starts_like)).then_some(full)
 }
@@ -495,7 +493,8 @@ impl Scope {
     /// as written (an unclosed brace, `{*rest}` before the end, a query, a segment starting
     /// with `*` other than a final `/*`) is an error when the layer is built. Inside an axum
     /// `Router` a pattern written in full (starting with a nested router's prefix, as the client
-    /// sends it or as the router writes it, parameters named as you like) also matches
+    /// sends it or as the router writes it; the route's own parameters named as you like) also
+    /// matches
     /// the path the client sent (`OriginalUri`: a nested router strips its prefix from the URI)
     /// and the route axum matched (`MatchedPath`), so nested routers can name their full
     /// routes; a pattern written relative to the nested router matches what it sees. `GET` also matches `HEAD` (axum's `get()` serves

@@ -1340,7 +1340,7 @@ impl Inner {
     async fn penalise_within(&self, key: Key, block: Duration, request: Option<Deadline>) -> bool {
         let Some(request) = request else {
             let written = self.penalise(&key, block, None).await;
-            if written != Some(true) {
+            if written.is_none() {
                 self.not_blocked(&key);
             }
             return written == Some(true);
@@ -1351,10 +1351,8 @@ impl Inner {
                 let inner = me.upgrade()?;
                 let budget = Deadline::after(inner.deadline);
                 let written = inner.penalise(&key, block, Some(budget)).await;
-                if written != Some(true) {
-                    inner.not_blocked(&key);
-                }
                 if written.is_none() {
+                    inner.not_blocked(&key);
                     tracing::warn!(key = %key, "fleetlimit: the penalty box could not block a key");
                 }
                 written
@@ -1366,9 +1364,9 @@ impl Inner {
         }
     }
 
-    /// The block the penalty box counted for `key` was not written (the store failed, an
-    /// operator's entry stands, or a memory store's listings are full): the key's refusals
-    /// count again, and its next block is not doubled for this one.
+    /// The block the penalty box counted for `key` could not be written (the store failed):
+    /// the key's refusals count again, and its next block is not doubled for this one. (When an
+    /// entry stands instead, that entry refuses the key: the box's record stays.)
     fn not_blocked(&self, key: &Key) {
         if let Some(penalties) = &self.penalties {
             penalties.not_blocked(key);

@@ -93,6 +93,9 @@ struct Record {
     /// Blocks so far in the current run (0 before the first).
     blocks: u32,
     blocked_until: u64,
+    /// The end of the block before the last one earned: put back if that one is not set, so
+    /// a repeat offender's run (and its doubling) goes on.
+    blocked_before: u64,
 }
 
 /// The keys with recent denials, bounded.
@@ -155,7 +158,7 @@ impl Penalties {
     /// so that the key's refusals count again and its next block is not doubled for it.
     pub(crate) fn not_blocked(&self, key: &Key) {
         if let Some(r) = self.records.lock().get_mut(key) {
-            r.blocked_until = 0;
+            r.blocked_until = r.blocked_before;
             r.blocks = r.blocks.saturating_sub(1);
             r.window_start = 0;
         }
@@ -181,6 +184,7 @@ impl Penalties {
             previous: 0,
             blocks: 0,
             blocked_until: 0,
+            blocked_before: 0,
         });
         if now < r.blocked_until {
             return None; // refused by its block: that is the penalty already
@@ -210,6 +214,7 @@ impl Penalties {
         let factor = 1u32.checked_shl(r.blocks.min(31)).unwrap_or(u32::MAX);
         let block = c.block.saturating_mul(factor).min(c.max_block);
         r.blocks = r.blocks.saturating_add(1);
+        r.blocked_before = r.blocked_until;
         r.blocked_until = now.saturating_add(micros(block));
         r.denials = 0;
         r.previous = 0;
@@ -291,6 +296,23 @@ mod tests {
                 assert_eq!(p.denied(&edges, at), None, "the bound: 2 × 19 in 59.9 s");
             }
         }
+    }
+
+    /// A block the store could not set is forgotten without forgetting the run: a repeat
+    /// offender's next block is the doubled one (forgetting put the end of its last block at 0,
+    /// "long ago", and the run was forgiven: the first length again).
+    #[test]
+    fn a_block_not_set_keeps_the_offenders_run() {
+        let p = Penalties::new(
+            Penalty::new(1, Duration::from_secs(10), Duration::from_secs(60)),
+            100,
+        );
+        let k = Key::new("k");
+        let t0 = 1_900_000_000 * S;
+        assert_eq!(p.denied(&k, t0), Some(Duration::from_secs(60)));
+        assert_eq!(p.denied(&k, t0 + 61 * S), Some(Duration::from_secs(120)));
+        p.not_blocked(&k);
+        assert_eq!(p.denied(&k, t0 + 62 * S), Some(Duration::from_secs(120)));
     }
 
     /// A spray of keys, each refused once, fills the box: it goes on counting new keys (within

@@ -96,36 +96,113 @@ struct Inner {
 struct Listings {
     map: std::collections::HashMap<Key, Listed>,
     swept: usize,
-    /// A full map swept and still full: until then (µs), a new penalty block is not written,
-    /// without sweeping again.
+    /// A full map swept and still full of operators' entries: until then (µs), a new penalty
+    /// block is not written, without sweeping again.
     full_until: u64,
+    /// Allow and deny entries, which never end: while there is one, decisions always look.
+    forever: usize,
+    /// No earlier than the latest end of a block in the map (µs): raised as blocks are
+    /// written, found exactly by a sweep. Lifting a block never needs the whole map read.
+    blocks_end: u64,
+}
+
+impl Listings {
+    /// Put `listed` in force for `key`, keeping the counts.
+    fn put(&mut self, key: &Key, listed: Listed) {
+        let old = self.map.insert(key.clone(), listed);
+        self.forget(old);
+        match listed {
+            Listed::Until(t, _) => self.blocks_end = self.blocks_end.max(t),
+            Listed::Allow | Listed::Deny => self.forever += 1,
+        }
+    }
+
+    /// Take `key`'s entry off, keeping the counts.
+    fn take(&mut self, key: &Key) {
+        let old = self.map.remove(key);
+        self.forget(old);
+    }
+
+    fn forget(&mut self, old: Option<Listed>) {
+        if matches!(old, Some(Listed::Allow | Listed::Deny)) {
+            self.forever -= 1;
+        }
+    }
+
+    /// When decisions may stop looking: never while an allow or deny entry stands, else once
+    /// the last block has ended.
+    fn end(&self) -> u64 {
+        if self.forever > 0 {
+            u64::MAX
+        } else {
+            self.blocks_end
+        }
+    }
+
+    /// Drop the ended blocks and count again.
+    fn sweep(&mut self, now: u64) {
+        self.map.retain(|_, l| in_force(l, now).is_some());
+        self.recount();
+        self.swept = self.map.len();
+    }
+
+    fn recount(&mut self) {
+        self.forever = 0;
+        self.blocks_end = 0;
+        for l in self.map.values() {
+            match l {
+                Listed::Until(t, _) => self.blocks_end = self.blocks_end.max(*t),
+                Listed::Allow | Listed::Deny => self.forever += 1,
+            }
+        }
+    }
+
+    /// Make room in a full map: the penalty box's blocks that end soonest go (an eighth of
+    /// them, at least one), ending early; an operator's entry never does.
+    fn evict_penalty_blocks(&mut self, capacity: usize) {
+        let mut ends: Vec<u64> = self
+            .map
+            .values()
+            .filter_map(|l| match l {
+                Listed::Until(t, true) => Some(*t),
+                _ => None,
+            })
+            .collect();
+        if ends.is_empty() {
+            return;
+        }
+        let drop = (capacity / 8).clamp(1, ends.len());
+        let (_, &mut threshold, _) = ends.select_nth_unstable(drop - 1);
+        let below = ends.iter().filter(|&&t| t < threshold).count();
+        let mut at_threshold = drop - below;
+        self.map.retain(|_, l| match l {
+            Listed::Until(t, true) if *t < threshold => false,
+            Listed::Until(t, true) if *t == threshold && at_threshold > 0 => {
+                at_threshold -= 1;
+                false
+            }
+            _ => true,
+        });
+        self.recount();
+    }
 }
 
 /// Concurrency slots held per (limit name, key): each slot's id and when it expires (µs).
 type SlotTable = std::collections::HashMap<(Arc<str>, Key), Vec<(u64, u64)>>;
 
-/// A key's administrative entry, as held: blocks as the time they end (µs).
+/// A key's administrative entry, as held: blocks as the time they end (µs), and whether the
+/// penalty box set it (an operator's block never makes room for others).
 #[derive(Debug, Clone, Copy)]
 enum Listed {
     Allow,
     Deny,
-    Until(u64),
-}
-
-impl Listed {
-    /// When the entry ends (µs; never, for the allow and deny lists).
-    fn end(&self) -> u64 {
-        match self {
-            Listed::Until(t) => *t,
-            Listed::Allow | Listed::Deny => u64::MAX,
-        }
-    }
+    Until(u64, bool),
 }
 
 /// `listed`, if still in force at `now` (a block that ended is not).
 fn in_force(listed: &Listed, now: u64) -> Option<Listed> {
     match listed {
-        Listed::Until(t) if *t <= now => None,
+        Listed::Until(t, _) if *t <= now => None,
         l => Some(*l),
     }
 }
@@ -576,32 +653,21 @@ impl Inner {
     /// Drop the ended blocks from `listings` (held locked), and publish their count and when
     /// the last one left ends.
     fn settle_listings(&self, listings: &mut Listings, now: u64) {
-        listings
-            .map
-            .retain(|_, l| !matches!(l, Listed::Until(t) if *t <= now));
-        listings.swept = listings.map.len();
-        let end = listings
-            .map
-            .values()
-            .map(|l| l.end())
-            .max()
-            .unwrap_or(u64::MAX);
-        self.listings_end.store(end, Ordering::Relaxed);
-        self.listed.store(listings.map.len(), Ordering::Release);
+        listings.sweep(now);
+        self.publish(listings);
     }
 
-    /// Publish `listings` after a penalty block ending at `end` was written: a sweep once the
-    /// map has doubled since the last, else only the count and the later end.
-    fn publish_listings(&self, listings: &mut Listings, end: u64, now: u64) {
+    /// Publish `listings` after a change: swept once the map has doubled since the last sweep
+    /// (a constant cost per change), else only their count and when decisions may stop looking.
+    fn publish_listings(&self, listings: &mut Listings, now: u64) {
         if listings.map.len() >= (2 * listings.swept).max(64) {
-            return self.settle_listings(listings, now);
+            listings.sweep(now);
         }
-        if listings.map.len() == 1 {
-            // The first entry: the end of none (never) does not count.
-            self.listings_end.store(end, Ordering::Relaxed);
-        } else {
-            self.listings_end.fetch_max(end, Ordering::Relaxed);
-        }
+        self.publish(listings);
+    }
+
+    fn publish(&self, listings: &Listings) {
+        self.listings_end.store(listings.end(), Ordering::Relaxed);
         self.listed.store(listings.map.len(), Ordering::Release);
     }
 
@@ -659,7 +725,7 @@ impl Inner {
                         listed: ByListing::DENY,
                         ..refused(peeked(c), crate::store::DENY_RETRY_AFTER)
                     },
-                    Listed::Until(t) => {
+                    Listed::Until(t, _) => {
                         let left = Duration::from_micros(t.saturating_sub(now));
                         Decision {
                             listed: ByListing::block(left),
@@ -1353,48 +1419,29 @@ impl Store for MemoryStore {
         let mut listings = self.inner.listings.write();
         let current = listings.map.get(key).copied();
         match (listing, current) {
-            (None, _) => {
-                listings.map.remove(key);
-            }
+            (None, _) => listings.take(key),
             // The deny stands; a block of zero ends a block, nothing else.
             (Some(Listing::Block(_)), Some(Listed::Deny)) => {}
             (Some(Listing::Block(d)), current) if d.as_micros() == 0 => {
                 if !matches!(current, Some(Listed::Allow)) {
-                    listings.map.remove(key);
+                    listings.take(key);
                 }
             }
             (Some(l), _) => {
                 let held = match l {
                     Listing::Allow => Listed::Allow,
                     Listing::Deny => Listed::Deny,
-                    Listing::Block(d) => Listed::Until(block_end(now, d)),
+                    Listing::Block(d) => Listed::Until(block_end(now, d), false),
                 };
-                listings.map.insert(key.clone(), held);
+                listings.put(key, held);
             }
         }
-        let after = listings.map.get(key).copied();
-        match (current, after) {
-            // The entry that ended last (a deny, which never ends) removed or replaced: the end
-            // after which decisions stop looking is found again, over the whole map. Else a
-            // call costs what a penalty block does (a bulk of operator blocks must not scan
-            // the map each).
-            (Some(old), new)
-                if new.map(|l| l.end()) != Some(old.end())
-                    && old.end() >= self.inner.listings_end.load(Ordering::Relaxed) =>
-            {
-                self.inner.settle_listings(&mut listings, now)
-            }
-            (_, Some(new)) => self.inner.publish_listings(&mut listings, new.end(), now),
-            (_, None) => self
-                .inner
-                .listed
-                .store(listings.map.len(), Ordering::Release),
-        }
+        self.inner.publish_listings(&mut listings, now);
         drop(listings);
         let in_force = self.inner.listed(key, now).map(|l| match l {
             Listed::Allow => Listing::Allow,
             Listed::Deny => Listing::Deny,
-            Listed::Until(t) => Listing::Block(Duration::from_micros(t - now)),
+            Listed::Until(t, _) => Listing::Block(Duration::from_micros(t - now)),
         });
         Box::pin(std::future::ready(Ok(in_force)))
     }
@@ -1409,27 +1456,29 @@ impl Store for MemoryStore {
         let mut listings = self.inner.listings.write();
         let stands = match listings.map.get(key) {
             Some(Listed::Allow | Listed::Deny) => true,
-            Some(Listed::Until(t)) => *t > now && *t >= until,
+            Some(Listed::Until(t, _)) => *t > now && *t >= until,
             None => {
-                // A full map takes no new penalty block (a spray of refused keys must not grow
-                // it past the store's bound): sweep the ended ones first (once a second at
-                // most), then give up.
+                // A full map (a spray of refused keys must not grow it past the store's bound)
+                // drops its ended blocks, then the penalty blocks that end soonest. Only a map
+                // full of operators' entries takes no new block (answered as when an entry
+                // stands), and is tried again a second later.
                 let capacity = self.inner.listings_capacity();
                 if listings.map.len() >= capacity && now >= listings.full_until {
-                    self.inner.settle_listings(&mut listings, now);
+                    listings.sweep(now);
+                    if listings.map.len() >= capacity {
+                        listings.evict_penalty_blocks(capacity);
+                    }
                     if listings.map.len() >= capacity {
                         listings.full_until = now.saturating_add(FULL_RETRY);
                     }
                 }
-                // Full: nothing written, answered as when an entry stands (not an error, which
-                // a breaker would count as the store failing).
                 listings.map.len() >= capacity
             }
         };
         if !stands {
-            listings.map.insert(key.clone(), Listed::Until(until));
-            self.inner.publish_listings(&mut listings, until, now);
+            listings.put(key, Listed::Until(until, true));
         }
+        self.inner.publish_listings(&mut listings, now);
         Box::pin(std::future::ready(Ok(!stands)))
     }
 
@@ -1438,7 +1487,7 @@ impl Store for MemoryStore {
         let listing = self.inner.listed(key, now).map(|l| match l {
             Listed::Allow => Listing::Allow,
             Listed::Deny => Listing::Deny,
-            Listed::Until(t) => Listing::Block(Duration::from_micros(t - now)),
+            Listed::Until(t, _) => Listing::Block(Duration::from_micros(t - now)),
         });
         Box::pin(std::future::ready(Ok(listing)))
     }
@@ -2175,8 +2224,10 @@ mod tests {
     }
 
     /// A spray of penalty blocks holds the listings within the store's bound on keys (they grew
-    /// without one, each block sweeping the whole map under its lock); an operator's entry is
-    /// always written, and once blocks end there is room again.
+    /// without one, each block sweeping the whole map under its lock): each new block is
+    /// written, the ones ending soonest making room; an operator's entry is never the one to
+    /// go, and a map full of them takes no penalty block. Lifting a deny lets decisions stop
+    /// looking once the blocks end (it once kept them looking for ever).
     #[tokio::test]
     async fn penalty_blocks_stay_within_the_bound_on_keys() {
         use crate::store::Store;
@@ -2187,38 +2238,56 @@ mod tests {
             .shards(1)
             .build()
             .unwrap();
-        let block = Duration::from_secs(60);
-        let mut written = 0;
-        for i in 0..100 {
-            // Not written past the bound: answered as when an entry stands.
-            if s.block_unless_listed(&Key::new(format!("k{i}")), block)
-                .await
-                .unwrap()
-            {
-                written += 1;
-            }
-        }
-        assert_eq!(written, 16);
-        // Full and swept: the next ones within the second give up without sweeping.
-        let full_until = s.inner.listings.read().full_until;
-        assert!(full_until > clock.now_us(), "{full_until}");
-        assert_eq!(s.inner.listings.read().map.len(), 16);
         let operator = Key::new("operator");
-        s.set_listing(&operator, Some(Listing::Deny)).await.unwrap();
-        assert_eq!(s.listing(&operator).await.unwrap(), Some(Listing::Deny));
-        // The deny lifted, the end of the listings is the blocks' again: once they end,
-        // decisions stop looking (a deny removed once kept them looking for ever).
-        s.set_listing(&operator, None).await.unwrap();
-        assert_eq!(
-            s.inner.listings_end.load(Ordering::Relaxed),
-            clock.now_us() + block.as_micros() as u64
+        s.set_listing(&operator, Some(Listing::Block(Duration::from_secs(1))))
+            .await
+            .unwrap();
+        let key = |i: u64| Key::new(format!("k{i}"));
+        for i in 0..100 {
+            let block = Duration::from_secs(60 + i);
+            assert!(s.block_unless_listed(&key(i), block).await.unwrap(), "k{i}");
+        }
+        assert!(s.inner.listings.read().map.len() <= 16);
+        assert!(
+            s.listing(&key(99)).await.unwrap().is_some(),
+            "the latest stands"
         );
-        clock.advance(block);
-        assert!(s
-            .block_unless_listed(&Key::new("later"), block)
+        assert_eq!(
+            s.listing(&key(0)).await.unwrap(),
+            None,
+            "the soonest made room"
+        );
+        assert!(
+            s.listing(&operator).await.unwrap().is_some(),
+            "never the operator's"
+        );
+
+        let full = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(16)
+            .shards(1)
+            .build()
+            .unwrap();
+        for i in 0..16 {
+            full.set_listing(&key(i), Some(Listing::Deny))
+                .await
+                .unwrap();
+        }
+        assert!(!full
+            .block_unless_listed(&Key::new("new"), Duration::from_secs(60))
             .await
             .unwrap());
-        assert_eq!(s.inner.listings.read().map.len(), 1, "the ended ones swept");
+        for i in 0..16 {
+            full.set_listing(&key(i), None).await.unwrap();
+        }
+        full.block_unless_listed(&Key::new("later"), Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(
+            full.inner.listings_end.load(Ordering::Relaxed),
+            clock.now_us() + 1_000_000,
+            "the denies lifted, decisions may stop looking when the block ends"
+        );
     }
 
     /// Pauses are capped as the Redis store caps them: about 49 days, not a pushback date

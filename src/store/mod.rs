@@ -270,7 +270,8 @@ pub trait Store: sealed::Sealed + Send + Sync + 'static {
     /// Block `key` for `block` (the penalty box), unless its entry already says as much: an
     /// allow-list or deny-list entry, or a block that ends later, stands. True when this call
     /// set the block. Decided and set in one step, so an operator's entry made meanwhile, on any
-    /// instance, is never replaced.
+    /// instance, is never replaced. The memory store past its bound on keys ends its penalty
+    /// blocks that end soonest to make room (false only when operators' entries fill it).
     fn block_unless_listed<'a>(
         &'a self,
         key: &'a Key,
