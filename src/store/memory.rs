@@ -121,6 +121,12 @@ impl Listings {
     fn take(&mut self, key: &Key) {
         let old = self.map.remove(key);
         self.forget(old);
+        // The block that ended last lifted: its end no longer bounds the rest. Unknown until
+        // the map is read, so the next decision reads it (once) rather than go on looking
+        // until that end.
+        if matches!(old, Some(Listed::Until(t, _)) if t >= self.blocks_end) {
+            self.blocks_end = 0;
+        }
     }
 
     fn forget(&mut self, old: Option<Listed>) {
@@ -158,7 +164,8 @@ impl Listings {
     }
 
     /// Make room in a full map: the penalty box's blocks that end soonest go (an eighth of
-    /// them, at least one), ending early; an operator's entry never does.
+    /// them, and at least what makes room for one more), ending early; an operator's entry
+    /// never does. None goes when they cannot make room (operators' entries fill the map).
     fn evict_penalty_blocks(&mut self, capacity: usize) {
         let mut ends: Vec<u64> = self
             .map
@@ -168,10 +175,11 @@ impl Listings {
                 _ => None,
             })
             .collect();
-        if ends.is_empty() {
+        let needed = (self.map.len() + 1).saturating_sub(capacity);
+        if needed == 0 || ends.len() < needed {
             return;
         }
-        let drop = (capacity / 8).clamp(1, ends.len());
+        let drop = needed.max(ends.len() / 8);
         let (_, &mut threshold, _) = ends.select_nth_unstable(drop - 1);
         let below = ends.iter().filter(|&&t| t < threshold).count();
         let mut at_threshold = drop - below;
@@ -1476,7 +1484,11 @@ impl Store for MemoryStore {
             }
         };
         if !stands {
-            listings.put(key, Listed::Until(until, true));
+            // Extending an operator's block still in force keeps it the operator's: it never
+            // makes room for others.
+            let by_box =
+                !matches!(listings.map.get(key), Some(Listed::Until(t, false)) if *t > now);
+            listings.put(key, Listed::Until(until, by_box));
         }
         self.inner.publish_listings(&mut listings, now);
         Box::pin(std::future::ready(Ok(!stands)))
@@ -2287,6 +2299,60 @@ mod tests {
             full.inner.listings_end.load(Ordering::Relaxed),
             clock.now_us() + 1_000_000,
             "the denies lifted, decisions may stop looking when the block ends"
+        );
+    }
+
+    /// Lifting the block that ends last lets decisions stop looking once the others end (its
+    /// end bounded the rest, and decisions looked for a day after a short block); an
+    /// operator's block the penalty box extends stays the operator's, never making room.
+    #[tokio::test]
+    async fn lifted_and_extended_blocks_keep_the_listings_honest() {
+        use crate::store::Store;
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(16)
+            .shards(1)
+            .build()
+            .unwrap();
+        let (long, short) = (Key::new("long"), Key::new("short"));
+        s.set_listing(&long, Some(Listing::Block(Duration::from_secs(86_400))))
+            .await
+            .unwrap();
+        assert!(s
+            .block_unless_listed(&short, Duration::from_secs(1))
+            .await
+            .unwrap());
+        s.set_listing(&long, None).await.unwrap();
+        clock.advance(Duration::from_secs(2));
+        let r = rule("r", Algorithm::FixedWindow, 10);
+        assert!(
+            s.check(Op::Consume, &one(&r, &Key::new("other"), 1)[0])
+                .allowed
+        );
+        assert_eq!(
+            s.inner.listed.load(Ordering::Acquire),
+            0,
+            "settled once the short one ended"
+        );
+
+        let k = Key::new("operator-blocked");
+        s.set_listing(&k, Some(Listing::Block(Duration::from_secs(10))))
+            .await
+            .unwrap();
+        assert!(s
+            .block_unless_listed(&k, Duration::from_secs(60))
+            .await
+            .unwrap());
+        for i in 0..40u64 {
+            let key = Key::new(format!("sprayed{i}"));
+            s.block_unless_listed(&key, Duration::from_secs(120 + i))
+                .await
+                .unwrap();
+        }
+        assert!(
+            s.listing(&k).await.unwrap().is_some(),
+            "the operator's, extended, stays"
         );
     }
 
