@@ -651,6 +651,40 @@ async fn streamed_bodies_are_charged_by_the_bytes_read() {
     assert!(err.to_string().contains("cost_body"), "{err}");
 }
 
+/// A layer with rule `name`, once a minute for `scope`, keyed by the `x-account` header.
+fn once_a_minute(name: &str, scope: Scope) -> RateLimitLayer {
+    RateLimitLayer::builder(limiter(vec![rule(name, 1)]))
+        .key(key::header("x-account"))
+        .scope(name, scope)
+        .build()
+        .unwrap()
+}
+
+/// `first` is admitted and `second` (the same route) refused: one rule counted both.
+async fn admits_once(app: &Router, method: Method, first: &str, second: &str) {
+    assert_eq!(
+        as_account(app, method.clone(), first).await,
+        StatusCode::OK,
+        "{first}"
+    );
+    assert_eq!(
+        as_account(app, method, second).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{second}"
+    );
+}
+
+/// `method path` as account "a" (the `x-account` header), its status.
+async fn as_account(app: &Router, method: Method, path: &str) -> StatusCode {
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("x-account", "a")
+        .body(Body::empty())
+        .unwrap();
+    app.clone().oneshot(req).await.unwrap().status()
+}
+
 /// Inside a nested router (which strips its prefix from the URI), a full route matches however
 /// its parameter is named (a rules file's `/v1/users/{user}` for axum's `{id}`) and a literal
 /// path served by a parameter route (`/v1/users/me`): both were skipped, the routes unlimited.
@@ -672,39 +706,18 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
             )
             .layer(layer),
     );
-    let call = |method: Method, path: &'static str| {
-        let app = app.clone();
-        async move {
-            let req = Request::builder()
-                .method(method)
-                .uri(path)
-                .header("x-account", "a")
-                .body(Body::empty())
-                .unwrap();
-            app.oneshot(req).await.unwrap().status()
-        }
-    };
-    assert_eq!(call(Method::PUT, "/v1/users/7").await, StatusCode::OK);
-    assert_eq!(
-        call(Method::PUT, "/v1/users/8").await,
-        StatusCode::TOO_MANY_REQUESTS
-    );
-    assert_eq!(call(Method::POST, "/v1/users/me").await, StatusCode::OK);
-    assert_eq!(
-        call(Method::POST, "/v1/users/me").await,
-        StatusCode::TOO_MANY_REQUESTS
-    );
+    admits_once(&app, Method::PUT, "/v1/users/7", "/v1/users/8").await;
+    admits_once(&app, Method::POST, "/v1/users/me", "/v1/users/me").await;
     // Another user's POST is not the literal route.
-    assert_eq!(call(Method::POST, "/v1/users/you").await, StatusCode::OK);
+    assert_eq!(
+        as_account(&app, Method::POST, "/v1/users/you").await,
+        StatusCode::OK
+    );
 
     // A pattern written relative to the nested router never matches another route's full
     // path: `/{id}` under `/users` is not `GET /users` (the list), though `/users` alone
     // would fit `/{id}`.
-    let layer = RateLimitLayer::builder(self::limiter(vec![rule("item", 1)]))
-        .key(key::header("x-account"))
-        .scope("item", Scope::new().route(Method::GET, "/{id}"))
-        .build()
-        .unwrap();
+    let layer = once_a_minute("item", Scope::new().route(Method::GET, "/{id}"));
     let app = Router::new().nest(
         "/users",
         Router::new()
@@ -712,61 +725,31 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
             .route("/{id}", get(|| async { "item" }))
             .layer(layer),
     );
-    let get = |path: &'static str| {
-        let app = app.clone();
-        async move {
-            let req = Request::get(path)
-                .header("x-account", "a")
-                .body(Body::empty())
-                .unwrap();
-            app.oneshot(req).await.unwrap().status()
-        }
-    };
     for _ in 0..3 {
         assert_eq!(
-            get("/users").await,
+            as_account(&app, Method::GET, "/users").await,
             StatusCode::OK,
             "the list is not an item"
         );
     }
-    assert_eq!(get("/users/5").await, StatusCode::OK);
-    assert_eq!(get("/users/6").await, StatusCode::TOO_MANY_REQUESTS);
+    admits_once(&app, Method::GET, "/users/5", "/users/6").await;
 
     // A nest whose prefix has a parameter: the full route matches by the prefix as the router
     // wrote it, the route's own parameters named as the scope likes; a pattern starting with a
     // parameter of its own is the nested router's (`/{id}` is not the nest's root, `GET /acme`).
-    let layer = RateLimitLayer::builder(self::limiter(vec![rule("tenant-users", 1)]))
-        .key(key::header("x-account"))
-        .scope(
-            "tenant-users",
-            Scope::new().route(Method::PUT, "/t/{tenant}/users/{user}"),
-        )
-        .build()
-        .unwrap();
+    let layer = once_a_minute(
+        "tenant-users",
+        Scope::new().route(Method::PUT, "/t/{tenant}/users/{user}"),
+    );
     let app = Router::new().nest(
         "/t/{tenant}",
         Router::new()
             .route("/users/{id}", axum::routing::put(|| async { "put" }))
             .layer(layer),
     );
-    let put = |path: &'static str| {
-        let app = app.clone();
-        async move {
-            let req = Request::put(path)
-                .header("x-account", "a")
-                .body(Body::empty())
-                .unwrap();
-            app.oneshot(req).await.unwrap().status()
-        }
-    };
-    assert_eq!(put("/t/acme/users/7").await, StatusCode::OK);
-    assert_eq!(put("/t/acme/users/8").await, StatusCode::TOO_MANY_REQUESTS);
+    admits_once(&app, Method::PUT, "/t/acme/users/7", "/t/acme/users/8").await;
 
-    let layer = RateLimitLayer::builder(self::limiter(vec![rule("tenant-item", 1)]))
-        .key(key::header("x-account"))
-        .scope("tenant-item", Scope::new().route(Method::GET, "/{id}"))
-        .build()
-        .unwrap();
+    let layer = once_a_minute("tenant-item", Scope::new().route(Method::GET, "/{id}"));
     let app = Router::new().nest(
         "/{tenant}",
         Router::new()
@@ -774,25 +757,14 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
             .route("/{id}", axum::routing::get(|| async { "item" }))
             .layer(layer),
     );
-    let get = |path: &'static str| {
-        let app = app.clone();
-        async move {
-            let req = Request::get(path)
-                .header("x-account", "a")
-                .body(Body::empty())
-                .unwrap();
-            app.oneshot(req).await.unwrap().status()
-        }
-    };
     for _ in 0..3 {
         assert_eq!(
-            get("/acme").await,
+            as_account(&app, Method::GET, "/acme").await,
             StatusCode::OK,
             "the nest's root is no item"
         );
     }
-    assert_eq!(get("/acme/7").await, StatusCode::OK);
-    assert_eq!(get("/acme/8").await, StatusCode::TOO_MANY_REQUESTS);
+    admits_once(&app, Method::GET, "/acme/7", "/acme/8").await;
 }
 
 #[tokio::test]

@@ -1550,6 +1550,32 @@ mod tests {
     use crate::{Algorithm, Key, ManualClock, Quota, Rule};
     use std::time::Duration;
 
+    /// One shard of `keys` entries on `clock`; `refuse`: new keys past it are refused (no
+    /// shared overflow state to hide what the shard holds).
+    fn one_shard(clock: &ManualClock, keys: usize, refuse: bool) -> MemoryStore {
+        let builder = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .max_keys(keys);
+        let builder = if refuse {
+            builder.overflow(Overflow::Refuse {
+                retry_after: Duration::from_secs(1),
+            })
+        } else {
+            builder
+        };
+        builder.build().unwrap()
+    }
+
+    /// Rule "hourly": a fixed window of 100 an hour.
+    fn hourly() -> Rule {
+        let quota = Quota::per_hour(100)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap();
+        Rule::new("hourly", quota).unwrap()
+    }
+
     fn rule(name: &str, algorithm: Algorithm, limit: u64) -> Rule {
         Rule::new(
             name,
@@ -2019,23 +2045,8 @@ mod tests {
     #[test]
     fn a_sweep_that_expires_a_few_still_evicts_the_barely_used() {
         let clock = ManualClock::new(1_900_000_000_000_000);
-        let s = MemoryStore::builder()
-            .clock(clock.clone())
-            .shards(1)
-            .max_keys(64)
-            .overflow(Overflow::Refuse {
-                retry_after: Duration::from_secs(1),
-            })
-            .build()
-            .unwrap();
-        let hourly = Rule::new(
-            "hourly",
-            Quota::per_hour(100)
-                .algorithm(Algorithm::FixedWindow)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
+        let s = one_shard(&clock, 64, true);
+        let hourly = hourly();
         let brief = rule("brief", Algorithm::Gcra, 10);
         for i in 0..60u32 {
             assert!(
@@ -2063,23 +2074,8 @@ mod tests {
     #[test]
     fn eviction_is_for_room_only_in_small_shards_and_large() {
         let clock = ManualClock::new(1_900_000_000_000_000);
-        let hourly = Rule::new(
-            "hourly",
-            Quota::per_hour(100)
-                .algorithm(Algorithm::FixedWindow)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
-        let small = MemoryStore::builder()
-            .clock(clock.clone())
-            .shards(1)
-            .max_keys(7)
-            .overflow(Overflow::Refuse {
-                retry_after: Duration::from_secs(1),
-            })
-            .build()
-            .unwrap();
+        let hourly = hourly();
+        let small = one_shard(&clock, 7, true);
         for i in 0..8u32 {
             let k = Key::new(i.to_be_bytes());
             assert!(
@@ -2088,12 +2084,7 @@ mod tests {
             );
         }
 
-        let s = MemoryStore::builder()
-            .clock(clock.clone())
-            .shards(1)
-            .max_keys(256)
-            .build()
-            .unwrap();
+        let s = one_shard(&clock, 256, false);
         let brief = rule("brief", Algorithm::Gcra, 10);
         for i in 0..136u32 {
             let k = Key::new(format!("brief{i}"));
@@ -2123,15 +2114,7 @@ mod tests {
     #[test]
     fn a_shard_expiring_one_by_one_is_not_swept_per_insert() {
         let clock = ManualClock::new(1_900_000_000_000_000);
-        let s = MemoryStore::builder()
-            .clock(clock.clone())
-            .shards(1)
-            .max_keys(1024)
-            .overflow(Overflow::Refuse {
-                retry_after: Duration::from_secs(1),
-            })
-            .build()
-            .unwrap();
+        let s = one_shard(&clock, 1024, true);
         let quota = Quota::per_minute(2)
             .algorithm(Algorithm::Gcra)
             .build()
@@ -2244,12 +2227,7 @@ mod tests {
     async fn penalty_blocks_stay_within_the_bound_on_keys() {
         use crate::store::Store;
         let clock = ManualClock::new(1_900_000_000_000_000);
-        let s = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(16)
-            .shards(1)
-            .build()
-            .unwrap();
+        let s = one_shard(&clock, 16, false);
         let operator = Key::new("operator");
         s.set_listing(&operator, Some(Listing::Block(Duration::from_secs(1))))
             .await
@@ -2274,12 +2252,7 @@ mod tests {
             "never the operator's"
         );
 
-        let full = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(16)
-            .shards(1)
-            .build()
-            .unwrap();
+        let full = one_shard(&clock, 16, false);
         for i in 0..16 {
             full.set_listing(&key(i), Some(Listing::Deny))
                 .await
@@ -2309,12 +2282,7 @@ mod tests {
     async fn lifted_and_extended_blocks_keep_the_listings_honest() {
         use crate::store::Store;
         let clock = ManualClock::new(1_900_000_000_000_000);
-        let s = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(16)
-            .shards(1)
-            .build()
-            .unwrap();
+        let s = one_shard(&clock, 16, false);
         let (long, short) = (Key::new("long"), Key::new("short"));
         s.set_listing(&long, Some(Listing::Block(Duration::from_secs(86_400))))
             .await
