@@ -486,7 +486,8 @@ impl MemoryStoreBuilder {
 
     /// Keep at most about this many (rule, key) entries (default [`DEFAULT_MAX_KEYS`]). When
     /// full, expired entries go first, then those that have used the least of their quota (never
-    /// more than half of it); an evicted key starts afresh. At least 16, or at least the
+    /// more than half of it); an evicted key starts afresh (from a copy of the rule's shared
+    /// overflow state while that counts: it may have shared it). At least 16, or at least the
     /// number of [`shards`](MemoryStoreBuilder::shards) when they are set.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
@@ -1523,8 +1524,23 @@ impl Store for MemoryStore {
         let inner = &self.inner;
         let hash = inner.hash(&check);
         let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
-        if let Ok(entry) = shard.table.find_entry(hash, |e| e.is_for(&check)) {
-            entry.remove();
+        let now = shard.at(inner.clock.now_us());
+        let quota = rule.quota();
+        // While the rule's shared overflow state counts, a key's new entry starts from a copy
+        // of it (the key may have shared it): a reset key is started afresh in place instead,
+        // for a period, as Redis starts it (its older receipts refund nothing into it).
+        let overflowing = shard.overflow.iter().any(|(name, state, expires_at)| {
+            name == rule.shared_name() && *expires_at > now && state.fits(quota)
+        });
+        if let Ok(mut entry) = shard.table.find_entry(hash, |e| e.is_for(&check)) {
+            if overflowing {
+                let e = entry.get_mut();
+                e.state = State::new(quota).taken_over(now);
+                e.expires_at = now.saturating_add(quota.period_us());
+                e.used.store(0, Ordering::Relaxed);
+            } else {
+                entry.remove();
+            }
         }
         Box::pin(std::future::ready(Ok(())))
     }
@@ -2321,6 +2337,40 @@ mod tests {
         assert!(
             s.listing(&k).await.unwrap().is_some(),
             "the operator's, extended, stays"
+        );
+    }
+
+    /// A key reset while its rule's shared overflow state counts starts afresh, as on Redis (a
+    /// new entry would start from a copy of that state, which a spray had spent: the reset key
+    /// was refused for minutes).
+    #[tokio::test]
+    async fn a_reset_key_starts_afresh_while_the_overflow_state_counts() {
+        use crate::store::Store;
+        let clock = ManualClock::new(1_900_000_000_000_000);
+        let s = one_shard(&clock, 16, false);
+        let quota = Quota::per_hour(10)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
+        let r = Rule::new("r", quota).unwrap();
+        let victim = Key::new("victim");
+        for _ in 0..10 {
+            assert!(s.check(Op::Consume, &one(&r, &victim, 1)[0]).allowed);
+        }
+        for i in 0..15u32 {
+            let k = Key::new(i.to_be_bytes());
+            assert!(s.check(Op::Consume, &one(&r, &k, 6)[0]).allowed);
+        }
+        // The shard is full of entries used past half: a new key shares the overflow state,
+        // and spends it.
+        assert!(
+            s.check(Op::Consume, &one(&r, &Key::new("x"), 10)[0])
+                .allowed
+        );
+        s.reset(&r, &victim).await.unwrap();
+        assert!(
+            s.check(Op::Consume, &one(&r, &victim, 1)[0]).allowed,
+            "afresh"
         );
     }
 
