@@ -336,30 +336,12 @@ mod tests {
     /// success: said at `warn` once, not once per failure (it was 10 of 20 calls).
     #[test]
     fn failures_spread_between_successes_are_said_once() {
-        #[derive(Clone, Default)]
-        struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-        impl std::io::Write for Buf {
-            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(b);
-                Ok(b.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        let buf = Buf::default();
-        let writer = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::WARN)
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .finish();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
             .unwrap();
         let breakers = Breakers::new(1, BreakerConfig::default());
-        tracing::subscriber::with_default(subscriber, || {
+        let out = super::super::telemetry::warnings(|| {
             runtime.block_on(async {
                 for i in 0..20 {
                     let deadline = Deadline::after(Duration::from_secs(1));
@@ -374,7 +356,6 @@ mod tests {
                 }
             })
         });
-        let out = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
         assert_eq!(out.matches("store call failed").count(), 1, "{out}");
         assert_eq!(breakers.opened.load(Ordering::Relaxed), 0);
     }

@@ -239,6 +239,7 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 changing: parking_lot::Mutex::new(()),
                 overrides: Default::default(),
                 penalties: self.penalty.map(|p| Penalties::new(p, PENALTY_RECORDS)),
+                other_algorithm_said: Default::default(),
                 telemetry,
                 heavy: (self.heavy.0 > 0)
                     .then(|| HeavyHitters::new(self.heavy.0, self.heavy.1, self.heavy.2)),

@@ -189,6 +189,9 @@ struct Inner {
     degraded: AtomicU64,
     /// Callers of [`Limiter::until_ready`] waiting their turn, per key.
     lines: waiting::Lines,
+    /// A quota resolved for a request under another algorithm than its rule's: a
+    /// misconfiguration every such request would report, said once in a while.
+    other_algorithm_said: telemetry::Throttled,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -402,10 +405,12 @@ impl Limiter {
         let rules = self.inner.rules.load();
         let own = rules.get(rule)?;
         if quota.algorithm() != own.quota().algorithm() {
-            tracing::warn!(
-                rule = own.name(),
-                "fleetlimit: a quota resolved for a request has another algorithm than its rule; the rule's own quota decides"
-            );
+            if self.inner.other_algorithm_said.due() {
+                tracing::warn!(
+                    rule = own.name(),
+                    "fleetlimit: a quota resolved for a request has another algorithm than its rule; the rule's own quota decides"
+                );
+            }
             return None;
         }
         Some(Box::new(own.with_quota(quota)))

@@ -238,6 +238,32 @@ impl Throttled {
     }
 }
 
+/// What `f` logs at `warn` and above, as text (for tests of what is said how often).
+#[cfg(test)]
+pub(crate) fn warnings(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let out = buf.0.lock().unwrap().clone();
+    String::from_utf8(out).unwrap()
+}
+
 #[cfg(test)]
 mod throttled_tests {
     use super::*;
@@ -248,6 +274,31 @@ mod throttled_tests {
         assert!(t.due());
         assert!(!t.due());
         assert!(!t.due());
+    }
+
+    /// A quota resolved for every request under another algorithm than its rule's (a plan
+    /// table's mistake) is said once, not once per request.
+    #[test]
+    fn a_resolved_quota_of_another_algorithm_is_said_once() {
+        use crate::{Algorithm, Limiter, MemoryStore, Quota, Rule};
+        let gcra = Quota::per_minute(10)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
+        let limiter = Limiter::builder(MemoryStore::new())
+            .rule(Rule::new("plan", gcra).unwrap())
+            .build()
+            .unwrap();
+        let fixed = Quota::per_minute(20)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap();
+        let out = warnings(|| {
+            for _ in 0..20 {
+                assert!(limiter.resolved(0, fixed.clone()).is_none());
+            }
+        });
+        assert_eq!(out.matches("another algorithm").count(), 1, "{out}");
     }
 
     /// Once in 10 s: quiet within them, said again once they are up.
