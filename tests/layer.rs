@@ -1,5 +1,7 @@
 //! The layer inside real axum routers: headers on every response, the 429, the key fallback.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -157,18 +159,10 @@ async fn clones_of_the_service_share_one_limit() {
 #[tokio::test]
 async fn real_server_over_tcp_in_every_header_style() {
     use fleetlimit::HeaderStyle;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn get(addr: SocketAddr, path: &str) -> String {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        s.write_all(req.as_bytes()).await.unwrap();
-        let mut response = String::new();
-        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut response))
-            .await
-            .unwrap()
-            .unwrap();
-        response.to_ascii_lowercase()
+        support::exchange(addr, &req).await.to_ascii_lowercase()
     }
 
     for (style, marker) in [
@@ -186,16 +180,7 @@ async fn real_server_over_tcp_in_every_header_style() {
             .build()
             .unwrap();
         let app = app(layer);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            axum::serve(
-                listener,
-                app.into_make_service_with_connect_info::<SocketAddr>(),
-            )
-            .await
-            .unwrap();
-        });
+        let (addr, server) = support::serve(app).await;
         let ok = get(addr, "/").await;
         let failed = get(addr, "/fail").await;
         let denied = get(addr, "/").await;

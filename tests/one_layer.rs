@@ -546,7 +546,6 @@ async fn stacked_layers_each_charge_a_streamed_body() {
 /// under 3 KiB a minute was refused. A chunked body still costs a unit up front.
 #[tokio::test]
 async fn a_request_without_a_body_costs_a_byte_quota_nothing() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let limiter = limiter(vec![rule("client-kib", 3)]);
     let layer = RateLimitLayer::builder(limiter.clone())
         .key(key::header("x-api-key"))
@@ -560,26 +559,8 @@ async fn a_request_without_a_body_costs_a_byte_quota_nothing() {
         )
         .layer(MeterBodyLayer)
         .layer(layer);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
-    let send = |request: &'static str| async move {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(request.as_bytes()).await.unwrap();
-        let mut response = String::new();
-        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut response))
-            .await
-            .unwrap()
-            .unwrap();
-        response
-    };
+    let (addr, server) = support::serve(app).await;
+    let send = |request: &'static str| support::exchange(addr, request);
     let tenant = Key::new("tenant-1");
     for n in 0..5 {
         let r =

@@ -461,6 +461,12 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// The server's log once it says `text` (within `wait_until`'s bound).
+fn wait_for_log(log: &std::sync::Arc<std::sync::Mutex<String>>, text: &str) -> String {
+    wait_until(text, || log.lock().unwrap().contains(text));
+    log.lock().unwrap().clone()
+}
+
 /// Send SIGTERM (what a deploy sends) and wait for the exit: its status, and how long it took.
 fn terminate(server: &mut Server) -> (std::process::ExitStatus, Duration) {
     let term = Command::new("kill")
@@ -687,20 +693,8 @@ fn the_rules_file_is_reloaded_when_it_changes_and_an_invalid_one_is_ignored() {
     assert_eq!(status(&get(port, Some("a"))), 429, "5 in all");
     // An invalid rewrite keeps the running rules, and says why.
     rules.write("[[rule]]\nname = \"api\"\nlimit = 0\nperiod = \"1h\"\n");
-    let written = std::time::Instant::now();
-    while !log.lock().unwrap().contains("rules file invalid") {
-        assert!(
-            written.elapsed() < Duration::from_secs(2),
-            "no log line about the invalid file: {}",
-            log.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(
-        log.lock().unwrap().contains("at least 1"),
-        "{}",
-        log.lock().unwrap()
-    );
+    let logged = wait_for_log(&log, "rules file invalid");
+    assert!(logged.contains("at least 1"), "{logged}");
     for _ in 0..5 {
         assert_eq!(status(&get(port, Some("b"))), 200, "still 5");
     }
@@ -724,20 +718,8 @@ fn a_rules_file_changing_a_rules_algorithm_is_rejected() {
     assert_eq!(status(&get(port, Some("a"))), 200);
     assert_eq!(status(&get(port, Some("a"))), 200);
     rules.write(&rule_text(2).replace("fixed-window", "sliding-window"));
-    let written = std::time::Instant::now();
-    while !log.lock().unwrap().contains("rules file rejected") {
-        assert!(
-            written.elapsed() < Duration::from_secs(3),
-            "no log line about the rejected file: {}",
-            log.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(
-        log.lock().unwrap().contains("changes its algorithm"),
-        "{}",
-        log.lock().unwrap()
-    );
+    let logged = wait_for_log(&log, "rules file rejected");
+    assert!(logged.contains("changes its algorithm"), "{logged}");
     assert_eq!(
         status(&get(port, Some("a"))),
         429,

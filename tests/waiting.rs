@@ -32,20 +32,35 @@ fn limiter() -> Limiter {
 fn limiter_with(
     more: impl FnOnce(LimiterBuilder<MemoryStore>) -> LimiterBuilder<MemoryStore>,
 ) -> Limiter {
+    let quota = Quota::per_second(10)
+        .algorithm(Algorithm::Gcra)
+        .burst(1)
+        .build()
+        .unwrap();
+    more(builder_of(quota)).build().unwrap()
+}
+
+/// A limiter of rule "partner" with `quota`, on a memory store on tokio's clock.
+fn builder_of(quota: Quota) -> LimiterBuilder<MemoryStore> {
     let store = MemoryStore::builder()
         .clock(TokioClock {
             start: Instant::now(),
         })
         .build()
         .unwrap();
-    let quota = Quota::per_second(10)
-        .algorithm(Algorithm::Gcra)
-        .burst(1)
-        .build()
-        .unwrap();
-    more(Limiter::builder(store).rule(Rule::new("partner", quota).unwrap()))
-        .build()
-        .unwrap()
+    Limiter::builder(store).rule(Rule::new("partner", quota).unwrap())
+}
+
+/// A caller at the head of `key`'s line, asleep until its permit (a second's budget).
+async fn head_of_line(
+    limiter: &Limiter,
+    key: &Key,
+) -> tokio::task::JoinHandle<Result<fleetlimit::Decision, fleetlimit::Error>> {
+    let (limiter, key) = (limiter.clone(), key.clone());
+    let head =
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await });
+    tokio::task::yield_now().await;
+    head
 }
 
 #[tokio::test(start_paused = true)]
@@ -118,11 +133,7 @@ async fn a_caller_behind_a_longer_sleep_is_refused_at_once() {
     let start = Instant::now();
     assert!(limiter.consume(&key, 1).await.unwrap().allowed);
     // The head of the line sleeps until the next permit, at 100 ms.
-    let head = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
-    };
-    tokio::task::yield_now().await;
+    let head = head_of_line(&limiter, &key).await;
     let d = limiter
         .until_ready(&key, 1, Duration::from_millis(50))
         .await
@@ -155,11 +166,7 @@ async fn a_caller_behind_others_is_answered_for_its_own_cost() {
     let key = Key::new("api.partner.example");
     let start = Instant::now();
     assert!(limiter.consume(&key, 1).await.unwrap().allowed);
-    let head = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
-    };
-    tokio::task::yield_now().await;
+    let head = head_of_line(&limiter, &key).await;
     for budget in [Duration::from_millis(50), Duration::from_secs(10)] {
         let d = limiter.until_ready(&key, 2, budget).await.unwrap();
         assert!(d.never_admissible(), "{budget:?}: {d:?}");
@@ -176,32 +183,13 @@ async fn a_caller_behind_others_is_answered_for_its_own_cost() {
     assert!(head.await.unwrap().unwrap().allowed);
 
     // A token bucket of 10 a second, drained: ten take a second, not the 100 ms of one.
-    let bucket = Limiter::builder(
-        MemoryStore::builder()
-            .clock(TokioClock {
-                start: Instant::now(),
-            })
-            .build()
-            .unwrap(),
-    )
-    .rule(
-        Rule::new(
-            "partner",
-            Quota::per_second(10)
-                .algorithm(Algorithm::TokenBucket)
-                .build()
-                .unwrap(),
-        )
-        .unwrap(),
-    )
-    .build()
-    .unwrap();
+    let bucket_quota = Quota::per_second(10)
+        .algorithm(Algorithm::TokenBucket)
+        .build()
+        .unwrap();
+    let bucket = builder_of(bucket_quota).build().unwrap();
     assert!(bucket.consume(&key, 10).await.unwrap().allowed);
-    let head = {
-        let (bucket, key) = (bucket.clone(), key.clone());
-        tokio::spawn(async move { bucket.until_ready(&key, 1, Duration::from_secs(1)).await })
-    };
-    tokio::task::yield_now().await;
+    let head = head_of_line(&bucket, &key).await;
     let d = bucket
         .until_ready(&key, 10, Duration::from_millis(50))
         .await

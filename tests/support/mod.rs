@@ -48,3 +48,30 @@ impl http_body::Body for OpenStream {
         }
     }
 }
+
+/// `app` served on a free loopback port as `axum::serve` runs it, with the peer address: the
+/// address, and the server's task (abort it when done).
+pub async fn serve(app: axum::Router) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+        axum::serve(listener, app).await.unwrap();
+    });
+    (addr, server)
+}
+
+/// `request`, raw HTTP/1.1 text ending the connection (`Connection: close`), sent to `addr`:
+/// the raw response, within 5 s.
+pub async fn exchange(addr: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    let read = s.read_to_string(&mut response);
+    tokio::time::timeout(std::time::Duration::from_secs(5), read)
+        .await
+        .unwrap()
+        .unwrap();
+    response
+}
