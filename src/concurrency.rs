@@ -88,23 +88,20 @@ struct Inner {
     deadline: Duration,
     /// `None` for a store that cannot fail.
     fallback: Option<Fallback>,
-    /// The store failed and has not answered since: an outage, said once.
-    failing: AtomicBool,
-    /// The outage's start was said (at most once in a while: a store failing some calls and
-    /// answering others, a cluster master down under mixed traffic, flips `failing` per
-    /// request), so its end is said too.
+    /// An outage's start is said at most once in a while (a store failing some calls and
+    /// answering others, a cluster master down under mixed traffic, would say it per request).
     said: crate::limiter::telemetry::Throttled,
+    /// An outage was said and the store has not answered since: its end is said too.
     said_outage: AtomicBool,
 }
 
 impl Inner {
     /// The store answered: an outage, if there was one, is over.
     fn answered(&self) {
-        if self.failing.load(Ordering::Relaxed) {
-            self.failing.store(false, Ordering::Relaxed);
-            if self.said_outage.swap(false, Ordering::Relaxed) {
-                tracing::info!(name = %self.name, "fleetlimit: concurrency slots available again");
-            }
+        if self.said_outage.load(Ordering::Relaxed)
+            && self.said_outage.swap(false, Ordering::Relaxed)
+        {
+            tracing::info!(name = %self.name, "fleetlimit: concurrency slots available again");
         }
     }
 }
@@ -247,7 +244,6 @@ impl ConcurrencyLimiter {
         // Once per outage at `warn` (every request would say it again), then at `debug`; the
         // first answer from the store ends the outage. Outages that come and go per request
         // (some calls failing) are said once in a while.
-        self.inner.failing.store(true, Ordering::Relaxed);
         // Said once per outage, and an outage that begins within 10 s of the last one said is
         // said as soon as those 10 s are up, not never.
         let say = !self.inner.said_outage.load(Ordering::Relaxed) && self.inner.said.due();
@@ -345,7 +341,6 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
                 ttl: self.ttl,
                 deadline: self.deadline,
                 fallback,
-                failing: AtomicBool::new(false),
                 said: Default::default(),
                 said_outage: AtomicBool::new(false),
             }),

@@ -57,12 +57,13 @@ pub(crate) fn retry_after(
     wait: std::time::Duration,
     grpc: bool,
 ) {
-    let secs = crate::algorithm::ceil_secs(wait).max(1);
     let headers = response.headers_mut();
-    headers.insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+    headers.insert(http::header::RETRY_AFTER, response::retry_after(wait));
     if grpc {
-        let ms = headers::ceil_millis(wait).clamp(1, u64::from(i32::MAX.unsigned_abs()));
-        headers.insert(response::GRPC_PUSHBACK.clone(), http::HeaderValue::from(ms));
+        headers.insert(
+            response::GRPC_PUSHBACK.clone(),
+            response::pushback(Some(wait)),
+        );
     }
 }
 

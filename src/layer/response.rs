@@ -144,10 +144,26 @@ pub(crate) fn denied(
     if let Some(retry) = decision.retry_after {
         let headers = response.headers_mut();
         if !headers.contains_key(RETRY_AFTER) {
-            headers.insert(RETRY_AFTER, super::headers::number(ceil_secs(retry).max(1)));
+            headers.insert(RETRY_AFTER, retry_after(retry));
         }
     }
     response
+}
+
+/// `Retry-After` for `wait`: whole seconds, rounded up, at least 1 (never earlier than the wait).
+pub(crate) fn retry_after(wait: std::time::Duration) -> HeaderValue {
+    super::headers::number(ceil_secs(wait).max(1))
+}
+
+/// `grpc-retry-pushback-ms` for `wait` (milliseconds, rounded up, at least 1, within gRPC's
+/// 32-bit range); for a cost that can never be admitted (`None`), -1: do not retry.
+pub(crate) fn pushback(wait: Option<std::time::Duration>) -> HeaderValue {
+    match wait {
+        Some(wait) => {
+            super::headers::number(ceil_millis(wait).clamp(1, i32::MAX.unsigned_abs().into()))
+        }
+        None => HeaderValue::from_static("-1"),
+    }
 }
 
 fn json_body(d: &Decision) -> Bytes {
@@ -200,13 +216,7 @@ fn grpc_denied(d: &Decision, unavailable: bool) -> Response<Bytes> {
     };
     let mut response = grpc_status(status, message);
     let h = response.headers_mut();
-    let pushback = match d.retry_after {
-        Some(retry) => i64::try_from(ceil_millis(retry))
-            .unwrap_or(i64::MAX)
-            .min(i64::from(i32::MAX)),
-        None => -1,
-    };
-    h.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(pushback));
+    h.insert(GRPC_PUSHBACK.clone(), pushback(d.retry_after));
     response
 }
 

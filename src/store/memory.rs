@@ -207,6 +207,15 @@ enum Listed {
     Until(u64, bool),
 }
 
+/// `listed` as the store's API names it, if still in force at `now`.
+fn listing_at(listed: &Listed, now: u64) -> Option<Listing> {
+    Some(match in_force(listed, now)? {
+        Listed::Allow => Listing::Allow,
+        Listed::Deny => Listing::Deny,
+        Listed::Until(t, _) => Listing::Block(Duration::from_micros(t - now)),
+    })
+}
+
 /// `listed`, if still in force at `now` (a block that ended is not).
 fn in_force(listed: &Listed, now: u64) -> Option<Listed> {
     match listed {
@@ -1446,12 +1455,7 @@ impl Store for MemoryStore {
             }
         }
         self.inner.publish_listings(&mut listings, now);
-        drop(listings);
-        let in_force = self.inner.listed(key, now).map(|l| match l {
-            Listed::Allow => Listing::Allow,
-            Listed::Deny => Listing::Deny,
-            Listed::Until(t, _) => Listing::Block(Duration::from_micros(t - now)),
-        });
+        let in_force = listings.map.get(key).and_then(|l| listing_at(l, now));
         Box::pin(std::future::ready(Ok(in_force)))
     }
 
@@ -1497,11 +1501,10 @@ impl Store for MemoryStore {
 
     fn listing<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Listing>, StoreError>> {
         let now = self.inner.clock.now_us();
-        let listing = self.inner.listed(key, now).map(|l| match l {
-            Listed::Allow => Listing::Allow,
-            Listed::Deny => Listing::Deny,
-            Listed::Until(t, _) => Listing::Block(Duration::from_micros(t - now)),
-        });
+        let listing = self
+            .inner
+            .listed(key, now)
+            .and_then(|l| listing_at(&l, now));
         Box::pin(std::future::ready(Ok(listing)))
     }
 
