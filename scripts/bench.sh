@@ -25,7 +25,7 @@ ROUNDS=${2:-3}
 need() { command -v "$1" >/dev/null 2>&1; }
 # Each mode's tools (Debian packages in brackets), installed when missing and possible.
 case "$MODE" in
-  instructions) tools=(valgrind); packages=(valgrind) ;;
+  instructions) tools=(valgrind callgrind_control wrk); packages=(valgrind valgrind wrk) ;;
   fleet) tools=(redis-server redis-cli python3); packages=(redis-server python3) ;;
   *) tools=(wrk redis-server redis-cli redis-benchmark python3); packages=(wrk redis-server redis-tools python3) ;;
 esac
@@ -100,7 +100,10 @@ PY
 # in process (examples/layer_instructions: a hello-world bare, behind tower_governor without and
 # with its headers, behind the README's RateLimitLayer allowed and denied), counted by valgrind's callgrind over the
 # measured requests only. Unlike req/s, the same binary gives the same count on a busy machine,
-# so a change to the layer's cost shows even where wrk's noise would hide it. About 1 minute.
+# so a change to the layer's cost shows even where wrk's noise would hide it. Then the same
+# servers as the end-to-end run (and the demo server), each under callgrind, served over
+# loopback by hyper and loaded by wrk: the user-space instructions per request of the whole
+# server (hyper, axum, the layer, the allocator; not the kernel). About 3 minutes.
 instructions() {
   local n=${1:-10000}
   cargo build --release --quiet --example layer_instructions
@@ -116,6 +119,46 @@ instructions() {
     [ -n "$bare" ] || bare=$per
     echo "| $kind | $per | $((per - bare)) |"
   done
+  cargo build --release --quiet --example baseline --example server
+  echo
+  echo "| request, served over loopback (user space) | instructions | over bare axum |"
+  echo "|---|---:|---:|"
+  local B=target/release/examples
+  bare=""
+  served "bare axum" "$B/baseline" --kind bare
+  served "tower_governor" "$B/baseline" --kind governor
+  served "tower_governor with its headers" "$B/baseline" --kind governor --headers
+  served "quick-start RateLimitLayer, allowed" "$B/baseline" --kind fleetlimit
+  served "quick-start RateLimitLayer, denied" "$B/baseline" --kind fleetlimit --denied
+  served "demo server, allowed" "$B/server" --limit 1000000000 --period 1s
+  served "demo server, denied" "$B/server" --limit 1 --period 1h
+}
+
+# served LABEL CMD...: one server under callgrind on a free port; wrk warms it for 2 s, the
+# counters are zeroed, wrk loads it for 6 s, and the counters are dumped: instructions over the
+# requests wrk completed in those 6 s (the server's own work for them, whatever the machine's
+# load; what wrk left half-done at either end is a few requests in thousands).
+served() {
+  local label=$1; shift
+  local dir; dir=$(mktemp -d); TMPS+=("$dir")
+  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.%p" "$@" --port 0 >"$dir/out" 2>&1 &
+  local pid=$!; PIDS+=("$pid")
+  local port=""
+  for _ in $(seq 1 600); do
+    port=$(sed -n 's/^listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$dir/out" | head -1)
+    [ -n "$port" ] && break; sleep 0.1
+  done
+  [ -n "$port" ] || { echo "server did not start under callgrind: $*" >&2; cat "$dir/out" >&2; exit 1; }
+  wrk -t1 -c16 -d2s "http://127.0.0.1:$port/" >/dev/null
+  callgrind_control --zero "$pid" >/dev/null 2>&1
+  local n; n=$(wrk -t1 -c16 -d6s "http://127.0.0.1:$port/" | awk '/requests in/ {print $1}')
+  callgrind_control --dump=measured "$pid" >/dev/null 2>&1
+  kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; unset 'PIDS[-1]'
+  local total; total=$(grep -l '^desc: Trigger: .*measured' "$dir"/cg.* | xargs awk '/^(summary|totals):/ {print $2; exit}')
+  { [ -n "$total" ] && [ "${n:-0}" -gt 0 ]; } || { echo "no count for $label" >&2; exit 1; }
+  local per=$((total / n))
+  [ -n "$bare" ] || bare=$per
+  echo "| $label | $per | $((per - bare)) |"
 }
 
 PIDS=(); TMPS=()
