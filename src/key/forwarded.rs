@@ -15,7 +15,7 @@ use ipnet::IpNet;
 
 /// At most this many forwarding elements (counted from the right) are looked at.
 const MAX_HOPS: usize = 32;
-/// An element longer than this many bytes is no address (`for="[v6]:port";proto=https;…` fits).
+/// An `X-Forwarded-For` element or a `for=` value longer than this many bytes is no address.
 const MAX_ELEMENT: usize = 512;
 
 /// Proxies whose forwarding headers are believed: address ranges, or a number of hops.
@@ -211,7 +211,7 @@ pub fn client_ip(
         http::header::HeaderName::from_static("x-forwarded-for")
     };
     let parse = if forwarded {
-        forwarded_for_bytes
+        forwarded_for
     } else {
         xff_element
     };
@@ -315,14 +315,6 @@ fn xff_element(element: &[u8]) -> Option<IpAddr> {
         .or_else(|| parse_host_port(element))
 }
 
-/// The `for=` address of one `Forwarded` element.
-fn forwarded_for_bytes(element: &[u8]) -> Option<IpAddr> {
-    if element.len() > MAX_ELEMENT {
-        return None;
-    }
-    forwarded_for(std::str::from_utf8(element).ok()?)
-}
-
 /// One address from a single-value client header (`X-Real-IP`, `CF-Connecting-IP`,
 /// `True-Client-IP`): exactly one line holding one address.
 pub(crate) fn single_value_ip(headers: &HeaderMap, name: &http::HeaderName) -> Option<IpAddr> {
@@ -334,29 +326,33 @@ pub(crate) fn single_value_ip(headers: &HeaderMap, name: &http::HeaderName) -> O
     xff_element(trim_ows_bytes(line.as_bytes())).map(|ip| ip.to_canonical())
 }
 
-/// The address in the `for=` parameter of one `Forwarded` element, if the element is well formed
-/// and has exactly one usable `for=`.
-fn forwarded_for(element: &str) -> Option<IpAddr> {
+/// The address in the `for=` parameter of one `Forwarded` element, if it has exactly one
+/// usable `for=`. The element is a trusted proxy's, but its other parameters can carry the
+/// client's bytes (a proxy that writes `host=` copies the client's `Host` header): however long,
+/// non-UTF-8 or malformed they are, they never hide the `for=` the proxy wrote. Rejecting the
+/// element for them would let any client pick the proxy's own bucket, out of its own and out of
+/// any block on its address.
+fn forwarded_for(element: &[u8]) -> Option<IpAddr> {
     let mut seen_for = false;
     let mut found = None;
     for pair in split_unquoted(element, b';')? {
-        let pair = trim_ows(pair);
-        if pair.is_empty() {
+        let pair = trim_ows_bytes(pair);
+        let Some(eq) = pair.iter().position(|&b| b == b'=') else {
+            continue; // no parameter at all: nothing the proxy said about the client
+        };
+        let (name, value) = (trim_ows_bytes(&pair[..eq]), trim_ows_bytes(&pair[eq + 1..]));
+        if !name.eq_ignore_ascii_case(b"for") {
             continue;
         }
-        let (name, value) = pair.split_once('=')?;
-        let name = trim_ows(name);
-        if !is_token(name) {
+        if seen_for {
             return None;
         }
-        let value = unquote(trim_ows(value))?;
-        if name.eq_ignore_ascii_case("for") {
-            if seen_for {
-                return None;
-            }
-            seen_for = true;
-            found = parse_node(&value);
+        seen_for = true;
+        if value.len() > MAX_ELEMENT {
+            return None;
         }
+        let value = unquote(std::str::from_utf8(value).ok()?)?;
+        found = parse_node(&value);
     }
     found
 }
@@ -402,10 +398,10 @@ fn is_port(p: &str) -> bool {
 }
 
 /// Split on `delim` outside quoted-strings; `None` if a quoted-string is not terminated.
-fn split_unquoted(s: &str, delim: u8) -> Option<Vec<&str>> {
+fn split_unquoted(s: &[u8], delim: u8) -> Option<Vec<&[u8]>> {
     let mut parts = Vec::new();
     let (mut start, mut in_quotes, mut escaped) = (0, false, false);
-    for (i, b) in s.bytes().enumerate() {
+    for (i, &b) in s.iter().enumerate() {
         if escaped {
             escaped = false;
         } else if in_quotes {
@@ -451,11 +447,6 @@ fn is_token(s: &str) -> bool {
     !s.is_empty()
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
-
-/// Trim optional whitespace (spaces and tabs).
-fn trim_ows(s: &str) -> &str {
-    s.trim_matches(|c| c == ' ' || c == '\t')
 }
 
 #[cfg(test)]
@@ -597,10 +588,26 @@ mod tests {
                 (&["for"], PEER),
                 (&["for=198.51.100.1, "], PEER),
                 (&["for=198.51.100.9", r#"for="10.0.0.2"#], PEER),
+                // A proxy's element whose other parameters carry the client's bytes (its
+                // `Host`): however long or malformed, the proxy's `for=` still names the client.
+                (
+                    &[&format!(
+                        r#"for=198.51.100.7;host="{}.example";proto=https"#,
+                        "a".repeat(600)
+                    )],
+                    "198.51.100.7",
+                ),
+                (&["for=198.51.100.7;host=example.com:8080"], "198.51.100.7"),
+                (&["host=x;;junk;for=198.51.100.7"], "198.51.100.7"),
                 // A client's unbalanced quote to the left of what the proxy appended.
                 (&[r#"for="6.6.6.6, for=198.51.100.9"#], "198.51.100.9"),
             ],
         );
+        // Bytes that are not UTF-8 in another parameter (a `Host` the proxy copied as it came).
+        let mut h = HeaderMap::new();
+        let line = HeaderValue::from_bytes(b"for=\"198.51.100.7\";host=\xff\xfe").unwrap();
+        h.insert("forwarded", line);
+        assert_eq!(get(PEER, &h, ForwardedHeader::Both), ip("198.51.100.7"));
     }
 
     #[test]
