@@ -583,6 +583,48 @@ async fn a_request_without_a_body_costs_a_byte_quota_nothing() {
     server.abort();
 }
 
+/// A service that passes a body error on as its own (`?` on the body, as a hyper or tower
+/// `service_fn` does): a body refused more bytes is still answered with the refusal, and what
+/// was read stays charged, even under a rule that gives back what server errors took. The
+/// client once got the error (a closed connection) and every KiB read was given back.
+#[tokio::test]
+async fn a_body_refusal_passed_on_as_the_services_error_is_still_a_refusal() {
+    let limiter = limiter(vec![rule("upload-kib", 3)]);
+    let layer = RateLimitLayer::builder(limiter.clone())
+        .key(key::header("x-api-key"))
+        .scope(
+            "upload-kib",
+            Scope::new()
+                .cost_body(KIB)
+                .refund_if(|status| status.is_server_error()),
+        )
+        .build()
+        .unwrap();
+    let service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .layer(MeterBodyLayer)
+        .service_fn(
+            |req: Request<fleetlimit::layer::MeteredBody<Body>>| async move {
+                let body = req.into_body().collect().await?.to_bytes();
+                Ok::<_, axum::BoxError>(Response::new(Body::from(body.len().to_string())))
+            },
+        );
+    let req = Request::put("/files/a")
+        .header("x-api-key", "tenant-1")
+        .body(Body::new(support::Chunks(vec![
+            vec![b'x'; KIB as usize];
+            8
+        ])))
+        .unwrap();
+    let r = service
+        .oneshot(req)
+        .await
+        .expect("a refusal, not the service's error");
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.headers().get("retry-after").is_some());
+    assert_eq!(left(&limiter, "upload-kib", &Key::new("tenant-1")).await, 0);
+}
+
 #[tokio::test]
 async fn streamed_bodies_are_charged_by_the_bytes_read() {
     let limiter = limiter(vec![rule("upload-kib", 10)]);

@@ -199,9 +199,16 @@ where
                     let mut response = match ready!(future.poll(cx)) {
                         Ok(response) => response,
                         Err(error) => {
-                            if let Some(verdict) = this.verdict.as_mut() {
-                                verdict.on_error();
+                            let Some(verdict) = this.verdict.as_mut() else {
+                                return Poll::Ready(Err(error));
+                            };
+                            // A body refused more bytes, which the handler passed on as its
+                            // error (`?` on the body): the refusal is the answer, and what
+                            // was read stays charged.
+                            if let Some(refusal) = verdict.body_refusal() {
+                                return Poll::Ready(Ok(refusal.map(ResponseBody::full)));
                             }
+                            verdict.on_error();
                             return Poll::Ready(Err(error));
                         }
                     };
