@@ -625,6 +625,100 @@ async fn a_body_refusal_passed_on_as_the_services_error_is_still_a_refusal() {
     assert_eq!(left(&limiter, "upload-kib", &Key::new("tenant-1")).await, 0);
 }
 
+/// A body of these chunks, one frame each; `before(i)` runs before the `i`-th frame is handed
+/// out (`chunks.len()` for the end of the body).
+struct Staged<F> {
+    chunks: Vec<Vec<u8>>,
+    next: usize,
+    before: F,
+}
+
+impl<F: FnMut(usize) + Unpin> http_body::Body for Staged<F> {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        let i = self.next;
+        if i > self.chunks.len() {
+            return std::task::Poll::Ready(None);
+        }
+        (self.before)(i);
+        self.next += 1;
+        let chunk = self.chunks.get(i).cloned();
+        std::task::Poll::Ready(chunk.map(|c| Ok(http_body::Frame::data(bytes::Bytes::from(c)))))
+    }
+}
+
+/// Redis stops answering while a metered upload is read, with a policy failing open: the rest of the body is the policy's, whose decision then stands for
+/// the rule. The service fails, and the rule gives back what server errors took: what the
+/// store did take (the first KiB up front and the second as read) comes back. The policy's
+/// decision once made the request read as never counted, and nothing came back.
+#[tokio::test]
+async fn permits_taken_before_an_outage_mid_body_are_given_back() {
+    let server = std::sync::Arc::new(support::redis::RedisServer::start());
+    let store = RedisStore::builder().connect(&server.url()).await.unwrap();
+    // The log: a refund removes exactly what it took, whatever the time since.
+    let hourly = Quota::per_hour(10)
+        .algorithm(Algorithm::SlidingLog)
+        .build()
+        .unwrap();
+    let rule = Rule::new("upload-kib", hourly).unwrap();
+    // A deadline a loaded machine cannot miss while Redis answers: what is under test is which
+    // permits come back, not the deadline.
+    let limiter = |store: &RedisStore| {
+        Limiter::builder(store.clone())
+            .rule(rule.clone())
+            .on_store_error(OnStoreError::FailOpen)
+            .deadline(Duration::from_millis(500))
+            .build()
+            .unwrap()
+    };
+    let layer = RateLimitLayer::builder(limiter(&store))
+        .key(key::header("x-api-key"))
+        .scope(
+            "upload-kib",
+            Scope::new()
+                .cost_body(KIB)
+                .refund_if(|status| status.is_server_error()),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/files/{name}",
+            axum::routing::put(|_: bytes::Bytes| async { StatusCode::INTERNAL_SERVER_ERROR }),
+        )
+        .layer(MeterBodyLayer)
+        .layer(layer);
+    let redis = server.clone();
+    let body = Staged {
+        chunks: vec![vec![b'x'; KIB as usize]; 3],
+        next: 0,
+        before: move |i| match i {
+            2 => redis.pause(),
+            3 => redis.resume(),
+            _ => {}
+        },
+    };
+    let req = Request::put("/files/a")
+        .header("x-api-key", "tenant-1")
+        .body(Body::new(body))
+        .unwrap();
+    let r = app.oneshot(req).await.unwrap();
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    // The third KiB's charge, answered by the policy after the deadline, still reached Redis
+    // when it resumed and took its permit there: the one permit that stays taken.
+    let left = limiter(&store)
+        .apply_to(Op::Peek, &[("upload-kib", &Key::new("tenant-1"))], 1)
+        .await
+        .unwrap()[0]
+        .remaining;
+    assert_eq!(left, 9);
+}
+
 #[tokio::test]
 async fn streamed_bodies_are_charged_by_the_bytes_read() {
     let limiter = limiter(vec![rule("upload-kib", 10)]);

@@ -105,14 +105,16 @@ impl Verdict {
         if !self.config.after.meters_bodies {
             return None;
         }
-        let counted = matches!(self.governing.source, Source::Store | Source::Lease);
         // Shadow mode never refuses, a body included: it is charged up front only.
-        if self.config.shadow || !counted {
+        if self.config.shadow {
             return None;
         }
         let scopes = &self.config.scopes;
         let mut meter: Option<Meter> = None;
-        for (index, target) in self.targets.iter().enumerate() {
+        for (index, (target, decision)) in self.targets.iter().zip(&self.decisions).enumerate() {
+            if !counted(decision) {
+                continue; // not charged for real (an outage's fallback): nothing to meter
+            }
             if let Some(unit) = scopes[target.rule].body_unit {
                 meter
                     .get_or_insert_with(|| Meter::new(self.config.limiter.clone()))
@@ -248,8 +250,7 @@ impl Verdict {
         if !self.config.after.settles {
             return None;
         }
-        let counted = matches!(self.governing.source, Source::Store | Source::Lease);
-        if !self.governing.allowed || self.would_deny || !counted {
+        if !self.governing.allowed || self.would_deny {
             return None;
         }
         let scopes = &self.config.scopes;
@@ -258,6 +259,9 @@ impl Verdict {
             .iter()
             .zip(self.decisions.iter())
             .filter_map(|(target, decision)| {
+                if !counted(decision) {
+                    return None;
+                }
                 let unit = scopes[target.rule].settle.as_ref()?.body_unit()?;
                 // Refunded already (refund_if, a refusal inside): nothing left to settle.
                 let taken = decision.taken?;
@@ -284,8 +288,7 @@ impl Verdict {
             return None; // no scope gives anything back for this response
         }
         let status = super::response::outcome_status(response, self.grpc);
-        let counted = matches!(self.governing.source, Source::Store | Source::Lease);
-        if !self.governing.allowed || self.would_deny || !counted {
+        if !self.governing.allowed || self.would_deny {
             return None; // nothing was taken from the shared budget
         }
         let mut refunds: Vec<crate::limiter::RefundPart> = Vec::new();
@@ -298,6 +301,9 @@ impl Verdict {
             .zip(self.decisions.iter_mut())
             .enumerate()
         {
+            if !counted(decision) {
+                continue; // decided without the store (an outage's fallback): nothing taken there
+            }
             let refund = refused_inside
                 || scopes[target.rule]
                     .refund_if
@@ -505,6 +511,16 @@ fn warn_unmetered() {
              charged one unit"
         );
     }
+}
+
+/// Whether `decision` took from the shared budget (the store, or a block leased from it), so
+/// that metering, settling and refunds apply to it. Each rule's own, never the governing
+/// decision's: in a partial outage one rule can be decided by the fallback while another was
+/// counted (the fallback's smaller share then governs the headers), and a body read on into an
+/// outage leaves the outage policy's decision in place of the one that took the permits (its
+/// receipt kept).
+fn counted(decision: &Decision) -> bool {
+    decision.taken.is_some() || matches!(decision.source, Source::Store | Source::Lease)
 }
 
 /// The decision that governs a request's single-valued headers.
