@@ -194,6 +194,13 @@ fn parse_pattern(path: &str) -> Result<Vec<Segment>, &'static str> {
             // axum 0.8 refuses its old wildcard syntax, `/*rest`.
             return Err("* only ends a path, as /*; a wildcard is {*rest}");
         }
+        if text.starts_with(':') {
+            // axum 0.8 refuses its old parameter syntax too: no route is ever named so, and
+            // such a scope would match nothing, silently.
+            return Err(
+                "a parameter is written {id}: /:id is axum 0.7's syntax, which axum 0.8 refuses",
+            );
+        }
         let segment = parse_segment(text)?;
         match &segment {
             Segment::Literal(_) => {}
@@ -739,6 +746,7 @@ mod tests {
             "/foo/bar{*catchall}",
             "/{{literal}}",
             "/a*b",
+            "/a:b",
         ] {
             assert_eq!(path_error(good), None, "{good}");
             assert!(PathMatch::parse(good).check().is_ok(), "{good}");
@@ -755,6 +763,8 @@ mod tests {
             "/a#b",
             "/api/*/v1",
             "/users/{id}/*",
+            "/users/:id/login",
+            "/:id",
         ] {
             assert!(path_error(bad).is_some(), "{bad}");
             let error = PathMatch::parse(bad).check().unwrap_err().to_string();
