@@ -396,6 +396,37 @@ async fn shadow_mode_never_denies_but_says_what_it_would_do() {
     }
 }
 
+/// Shadow mode never refuses, a request without a key included: a new rule rolled out in
+/// shadow with its key required (`Reject`) lets keyless requests through, and the rules that
+/// have their keys still count. It once answered them 400 (and 500 without a peer address).
+#[tokio::test]
+async fn shadow_mode_lets_requests_without_a_key_through() {
+    let limiter = memory_limiter(vec![rule("per-account", 100), rule("per-ip", 100)]);
+    let shadow = app(RateLimitLayer::builder(limiter.clone())
+        .shadow(true)
+        .scope(
+            "per-account",
+            Scope::new()
+                .key(key::header("x-account"))
+                .on_missing_key(MissingKey::Reject),
+        )
+        .build()
+        .unwrap());
+    let r = Req::get("/").send(&shadow).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        h(&r, "ratelimit-remaining").as_deref(),
+        Some("99"),
+        "per-ip counted"
+    );
+    // No peer address either: a misconfigured server, logged, but shadow mode lets it through.
+    let keyless = Request::get("/").body(Body::empty()).unwrap();
+    assert_eq!(
+        shadow.oneshot(keyless).await.unwrap().status(),
+        StatusCode::OK
+    );
+}
+
 /// Shadow mode lets refusals through, and so must not earn the client a block: a block is a
 /// real listing, which every limiter on the store enforces. The same limiter enforcing blocks
 /// at the third refusal, whose `Retry-After` is the block's, not the minute's.

@@ -177,6 +177,17 @@ impl Config {
                     );
                     continue;
                 }
+                // Shadow mode never refuses: the rule is skipped, and said as the refusal would be.
+                (None, MissingKey::Reject) if self.shadow => {
+                    if no_peer {
+                        super::verdict::say_no_key();
+                    } else {
+                        tracing::debug!(
+                            "fleetlimit: shadow mode let through a request without the key a rule requires"
+                        );
+                    }
+                    continue;
+                }
                 // A scope's own key comes from the client: its absence is the client's fault.
                 (None, MissingKey::Reject) if !no_peer => return Plan::MissingKey,
                 (None, MissingKey::Reject) => return Plan::NoKey,
@@ -353,7 +364,8 @@ impl RateLimitLayerBuilder {
     }
 
     /// Shadow mode, for rolling out a new limit: decide, count, set headers and log as usual,
-    /// but never deny. A request that would have been denied is logged at `debug` (and counted
+    /// but never deny (a request without a key a rule rejects without is let through, that rule
+    /// skipped, and logged as its refusal would be). A request that would have been denied is logged at `debug` (and counted
     /// as `shadow_denied` in the metrics) and its response carries
     /// [`RateLimitInfo`](super::RateLimitInfo) with `would_deny: true`. Its refusals earn no
     /// block in the limiter's penalty box: a block is a real listing, enforced by every limiter

@@ -561,17 +561,23 @@ fn merge(ours: RateLimitInfo, other: Option<RateLimitInfo>) -> RateLimitInfo {
 /// (e.g. axum served without `into_make_service_with_connect_info`). Said loudly rather than
 /// sharing one bucket between every client.
 pub(crate) fn no_key(grpc: bool) -> Response<Bytes> {
-    tracing::error!(
-        "fleetlimit: no rate-limit key for a request (no extractor matched and no peer address; \
-         serve axum with `into_make_service_with_connect_info::<SocketAddr>()`; for tonic over \
-         TLS or a server of your own, name its connection info with `PeerIp::connect_info`)"
-    );
+    say_no_key();
     refusal(
         grpc,
         ("13", "no rate-limit key"),
         StatusCode::INTERNAL_SERVER_ERROR,
         r#"{"error":"no_rate_limit_key"}"#,
     )
+}
+
+/// The server's misconfiguration, said loudly (also in shadow mode, which lets the request
+/// through).
+pub(crate) fn say_no_key() {
+    tracing::error!(
+        "fleetlimit: no rate-limit key for a request (no extractor matched and no peer address; \
+         serve axum with `into_make_service_with_connect_info::<SocketAddr>()`; for tonic over \
+         TLS or a server of your own, name its connection info with `PeerIp::connect_info`)"
+    );
 }
 
 /// A scope's own key is missing and its rule says reject: the client's request is incomplete
