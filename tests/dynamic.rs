@@ -96,6 +96,44 @@ async fn a_live_change_carries_the_state_over() {
     }
 }
 
+/// A key suspended under a quota slower by far than its plan (an override of one request per
+/// 366 days on a plan of 1,000 an hour) and given its plan back, again and again: the debt it
+/// ran up under the plan is still owed each time. Read under the slow quota, that debt was past
+/// what a conversion holds (2^52) and was cut to it, and the cut was kept: back under its plan,
+/// the key had most of its burst again (857 of 1,000 for GCRA) after every suspension.
+#[tokio::test]
+async fn a_suspension_past_the_conversions_range_keeps_the_debt() {
+    for algorithm in [Algorithm::Gcra, Algorithm::TokenBucket] {
+        each_backend(async |backend, clock, name| {
+            let plan = Quota::per_hour(1000).algorithm(algorithm).build().unwrap();
+            let limiter = backend.limiter(plan, &clock).await;
+            let key = Key::new("tenant");
+            assert_eq!(
+                admitted(&limiter, &key, 1000).await,
+                1000,
+                "{name} {algorithm}"
+            );
+            let suspended = Quota::new(1, Duration::from_secs(366 * 86_400))
+                .algorithm(algorithm)
+                .build()
+                .unwrap();
+            for round in 0..3 {
+                limiter
+                    .set_override("api", &key, Some(suspended.clone()))
+                    .unwrap();
+                assert!(!limiter.consume(&key, 1).await.unwrap().allowed);
+                limiter.set_override("api", &key, None).unwrap();
+                assert_eq!(
+                    admitted(&limiter, &key, 1000).await,
+                    0,
+                    "{name} {algorithm}: round {round}"
+                );
+            }
+        })
+        .await;
+    }
+}
+
 /// Two limiters giving one rule name different algorithms (a reconfiguration while the old
 /// limiter's clones still serve) keep a count each, on both stores, as Redis names its keys
 /// by algorithm: alternating requests admit each quota once, 20 of 100. The memory store once

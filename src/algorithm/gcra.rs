@@ -18,7 +18,7 @@
 //! of interval refund nothing, even when the key was idle at the change: their debt would be
 //! sized by the new interval.
 
-use super::{never, receipt, rescale_ceil, us};
+use super::{never, receipt, rescale_ceil, us, RESCALE_CAP};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -91,6 +91,14 @@ impl Gcra {
             return;
         }
         self.tat = self.tat.saturating_sub(debt - elapsed).max(now);
+    }
+
+    /// Whether converting this state to `quota` at `now` cuts its lead at [`RESCALE_CAP`]: a
+    /// debt past what any quota's horizon holds, refused under it whatever the cut, and lost if
+    /// the cut state were kept (read back under its own interval, most of the debt gone).
+    pub(crate) fn conversion_clamps(&self, now: u64, quota: &Quota) -> bool {
+        self.tat > now
+            && rescale_ceil(self.tat - now, self.emission, quota.emission_us()) >= RESCALE_CAP
     }
 
     pub(crate) fn expires_at(&self) -> u64 {

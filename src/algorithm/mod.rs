@@ -128,6 +128,19 @@ impl State {
         }
     }
 
+    /// Whether [`decide`](State::decide) converts this state to `quota` and keeps the
+    /// conversion even when nothing is taken: a conversion is kept unless it cuts a debt at
+    /// [`RESCALE_CAP`] (see the buckets' `conversion_clamps`); such a state is refused under
+    /// `quota` and keeps its own scale.
+    pub(crate) fn keeps_conversion(&self, now: u64, quota: &Quota) -> bool {
+        self.converts(now, quota)
+            && !match self {
+                State::TokenBucket(s) => s.conversion_clamps(now, quota),
+                State::Gcra(s) => s.conversion_clamps(now, quota),
+                _ => false,
+            }
+    }
+
     /// Inlined, as every algorithm's `decide` and `commit` are: a decision returned through a
     /// call is written field by field into a temporary and then copied with wide loads, which
     /// the CPU cannot serve from narrower stores still in flight. That stall was a fifth of a

@@ -20,7 +20,7 @@
 //! quotas writing one key never hold more than the larger burst, and refill at most at the
 //! faster rate.
 
-use super::{div_ceil, never, receipt, rescale_ceil, us};
+use super::{div_ceil, never, receipt, rescale_ceil, us, RESCALE_CAP};
 use crate::{Algorithm, Decision, Quota, Taken};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,6 +112,15 @@ impl TokenBucket {
             self.missing -= elapsed * rate;
         }
         self.last = self.last.max(now);
+    }
+
+    /// Whether converting this state to `quota` at `now` cuts its debt at [`RESCALE_CAP`]: a
+    /// debt past what any quota's bucket holds, refused under it whatever the cut, and lost if
+    /// the cut state were kept (read back under its own quota, most of the debt gone).
+    pub(crate) fn conversion_clamps(&self, now: u64, quota: &Quota) -> bool {
+        let mut before = self.clone();
+        before.refill(now, before.rate.max(1));
+        rescale_ceil(before.missing, before.scale, quota.token_units()) >= RESCALE_CAP
     }
 
     #[inline(always)]

@@ -1001,8 +1001,9 @@ impl Shard {
         // decision. A peek writes nothing: it may read the key under a quota that is not its own
         // (an inspection under the rule's quota, where the key's is decided per request), and
         // converted, an hour's count would move into a minute that ends. (A log's clean-up is
-        // kept in both, and a log is never converted.)
-        let converts = op == Op::Consume && state.converts(now, quota);
+        // kept in both, and a log is never converted.) Nor a conversion that cuts a debt at the
+        // cap ([`State::keeps_conversion`]).
+        let converts = op == Op::Consume && state.keeps_conversion(now, quota);
         let undo = (place == Place::Found && !converts && !matches!(state, State::SlidingLog(_)))
             .then(|| state.clone());
         let mut decision = match state {
@@ -1268,6 +1269,12 @@ impl MemoryStore {
         let now = shard.at(now);
         let max_validity_us = max_validity.as_micros().min(u128::from(u64::MAX / 4)) as u64;
         let granted = shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
+            if state.converts(now, quota) && !state.keeps_conversion(now, quota) {
+                // A debt cut at the conversion's cap: refused under this quota, nothing to
+                // lease, and the state kept in its own scale (as a consume keeps it).
+                let granted = crate::algorithm::lease::Granted::nothing(now, quota);
+                return (Some(granted), peek(&mut state.clone(), now, quota));
+            }
             let granted = state.lease(now, quota, check.cost, max_validity_us);
             (granted, peek(state, now, quota))
         });

@@ -143,8 +143,12 @@ if op == 'lease' then
   local max_validity = tonumber(ARGV[3 + PER_CHECK * nchecks])
   if c.alg.lease == nil then return redis.error_reply('fleetlimit: this algorithm cannot be leased') end
   c.alg.decide(c.st, now, c.q, 1)
-  local granted, valid_until, at = c.alg.lease(c.st, now, c.q, c.cost, max_validity)
-  c.alg.save(c.st, now, c.q)
+  local granted, valid_until, at = 0, now, now
+  -- A debt cut at the conversion's cap: nothing to lease, and the state kept in its own scale.
+  if not c.st.clamped then
+    granted, valid_until, at = c.alg.lease(c.st, now, c.q, c.cost, max_validity)
+    c.alg.save(c.st, now, c.q)
+  end
   emit(peek(c), -1)
   out[#out + 1] = granted
   out[#out + 1] = valid_until
@@ -211,8 +215,10 @@ for i, c in ipairs(checks) do
       d[3] = d[3] + c.cost
     end
     -- A consume's state read under another quota keeps its conversion (the memory store's
-    -- does too); a peek writes nothing: it may read a key under a quota not its own.
-    if c.st.dirty and not peeking then c.alg.save(c.st, now, c.q) end
+    -- does too); a peek writes nothing: it may read a key under a quota not its own. A
+    -- conversion that cut a debt at the cap is not kept either: under the quota that cut it the
+    -- key is refused anyway, and read back under its own, the cut debt would be gone.
+    if c.st.dirty and not c.st.clamped and not peeking then c.alg.save(c.st, now, c.q) end
   end
   emit(d, taken)
 end

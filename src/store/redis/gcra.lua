@@ -18,7 +18,10 @@ function gcra.decide(st, now, q, cost)
       if st.tat > now then
         -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
         st.dirty = true
-        st.tat = now + rescale_ceil(st.tat - now, st.emission, t)
+        local lead = rescale_ceil(st.tat - now, st.emission, t)
+        -- Cut at the cap: refused under this quota, and kept in its own scale (see apply.lua).
+        st.clamped = lead >= RESCALE_CAP
+        st.tat = now + lead
       end
       st.valid_from = now
     end

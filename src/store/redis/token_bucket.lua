@@ -31,6 +31,8 @@ function token_bucket.decide(st, now, q, cost)
     -- The time since the last write refills at the rate it was written under, first.
     token_bucket.refill(st, now, math.max(st.rate, 1))
     st.missing = rescale_ceil(st.missing, st.scale, scale)
+    -- Cut at the cap: refused under this quota, and kept in its own scale (see apply.lua).
+    st.clamped = st.missing >= RESCALE_CAP
     st.scale = scale
     st.rate = rate
     st.valid_from = now
