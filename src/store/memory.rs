@@ -1186,6 +1186,9 @@ impl Shard {
                         true
                     }
                 });
+                // An evicted key's next state starts after every receipt its old one gave,
+                // those of this very microsecond included (see `reset`).
+                self.latest = self.latest.max(now) + 1;
             }
         }
         self.overflow.retain(|(_, _, expires_at)| *expires_at > now);
@@ -1542,10 +1545,15 @@ impl Store for MemoryStore {
         let overflowing = shard.overflow.iter().any(|(name, state, expires_at)| {
             name == rule.shared_name() && *expires_at > now && state.fits(quota)
         });
+        // Decisions from here on are made after `now`: a receipt taken in this very microsecond
+        // (the memory store makes many in one) is older than the fresh state, and refunds
+        // nothing into it.
+        let after = now + 1;
+        shard.latest = after;
         if let Ok(mut entry) = shard.table.find_entry(hash, |e| e.is_for(&check)) {
             if overflowing {
                 let e = entry.get_mut();
-                e.state = State::new(quota).taken_over(now);
+                e.state = State::new(quota).taken_over(after);
                 e.expires_at = now.saturating_add(quota.period_us());
                 e.used.store(0, Ordering::Relaxed);
             } else {
@@ -2353,6 +2361,49 @@ mod tests {
     /// A key reset while its rule's shared overflow state counts starts afresh, as on Redis (a
     /// new entry would start from a copy of that state, which a spray had spent: the reset key
     /// was refused for minutes).
+    /// A receipt taken in the very microsecond its key is reset (the memory store decides many
+    /// requests in one) refunds nothing into the key's fresh state: 14 were admitted in the
+    /// window where 10 are allowed, as the fresh state started at the receipt's time.
+    #[tokio::test]
+    async fn a_receipt_from_the_microsecond_of_a_reset_refunds_nothing() {
+        let clock = ManualClock::default();
+        let s = store(&clock, 100);
+        let r = rule("r", Algorithm::FixedWindow, 10);
+        let k = Key::new("k");
+        let taken = s.apply_now(Op::Consume, &one(&r, &k, 4))[0].taken.unwrap();
+        s.reset(&r, &k).await.unwrap();
+        assert!(s.apply_now(Op::Consume, &one(&r, &k, 10))[0].allowed);
+        s.refund_now(&[Refund {
+            rule: &r,
+            key: &k,
+            taken,
+        }]);
+        assert!(!s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+    }
+
+    /// The same for a key evicted in the microsecond of its receipt: its next state starts
+    /// after it.
+    #[test]
+    fn a_receipt_from_the_microsecond_of_an_eviction_refunds_nothing() {
+        let clock = ManualClock::default();
+        let s = one_shard(&clock, 16, false);
+        let r = rule("r", Algorithm::FixedWindow, 10);
+        let k = Key::new("k");
+        let taken = s.apply_now(Op::Consume, &one(&r, &k, 1))[0].taken.unwrap();
+        for i in 0..16u32 {
+            s.apply_now(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 4));
+        }
+        let d = s.apply_now(Op::Peek, &one(&r, &k, 1))[0];
+        assert_eq!(d.remaining, 10, "the least used key was evicted");
+        assert!(s.apply_now(Op::Consume, &one(&r, &k, 10))[0].allowed);
+        s.refund_now(&[Refund {
+            rule: &r,
+            key: &k,
+            taken,
+        }]);
+        assert!(!s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+    }
+
     #[tokio::test]
     async fn a_reset_key_starts_afresh_while_the_overflow_state_counts() {
         use crate::store::Store;
