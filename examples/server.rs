@@ -171,10 +171,14 @@ fn parse_statuses(v: &str) -> Result<Vec<RangeInclusive<u16>>, String> {
         .collect()
 }
 
-/// A Redis URL with its password (if any) replaced, fit for messages and logs.
+/// A Redis URL with its password (if any) replaced, fit for messages and logs. Without a
+/// scheme (forgotten or mistyped), whatever comes before an `@` is taken for credentials.
 fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+        return match url.rsplit_once('@') {
+            Some((_, host)) => format!("***@{host}"),
+            None => url.to_owned(),
+        };
     };
     match rest.rsplit_once('@') {
         Some((userinfo, host)) => {

@@ -172,11 +172,15 @@ fn invalid_flags_exit_2_with_a_message() {
         &["--metrics", "not-an-address"],
         &["--admin-token", ""],
         &["--admin-token", "two words"],
+        // A store URL without its scheme (or a mistyped one): refused, its password unsaid.
+        &["--store", "user:s3cretpw@127.0.0.1:6379"],
+        &["--store", "redis:/user:s3cretpw@127.0.0.1:6379"],
     ] {
         let out = run_to_exit(args);
         assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(!err.contains("s3cretpw"), "{args:?}: {err}");
         assert!(out.stdout.is_empty(), "{args:?}");
     }
 }
