@@ -427,6 +427,40 @@ async fn shadow_mode_lets_requests_without_a_key_through() {
     );
 }
 
+/// The IETF style joins an inner fleetlimit layer's lists to its own, and nobody else's: a
+/// handler (a proxy, say) answering with an upstream's `RateLimit` header in another draft's
+/// syntax once had it joined in front of the layer's, which made the whole list unreadable.
+#[tokio::test]
+async fn ietf_lists_replace_a_handlers_own() {
+    let limiter = memory_limiter(vec![rule("api", 100)]);
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async {
+                (
+                    [
+                        ("ratelimit", "limit=100, remaining=50, reset=30"),
+                        ("ratelimit-policy", "100;w=60"),
+                    ],
+                    "ok",
+                )
+            }),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter)
+                .headers(HeaderStyle::Ietf)
+                .build()
+                .unwrap(),
+        );
+    let r = Req::get("/").send(&app).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(h(&r, "ratelimit").as_deref(), Some(r#""api";r=99;t=60"#));
+    assert_eq!(
+        h(&r, "ratelimit-policy").as_deref(),
+        Some(r#""api";q=100;w=60"#)
+    );
+}
+
 /// Shadow mode lets refusals through, and so must not earn the client a block: a block is a
 /// real listing, which every limiter on the store enforces. The same limiter enforcing blocks
 /// at the third refusal, whose `Retry-After` is the block's, not the minute's.

@@ -228,6 +228,13 @@ impl HeaderStyle {
     }
 }
 
+/// Remove the IETF style's headers from a response: lists no fleetlimit layer wrote.
+pub(crate) fn clear_ietf(headers: &mut HeaderMap) {
+    for name in [&POLICY, &RATELIMIT] {
+        headers.remove(name);
+    }
+}
+
 fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) {
     // A rule the outage policy decided was not consulted: its figures would be invented. With
     // none consulted here, an inner layer's lists stand as they are.
