@@ -19,7 +19,9 @@ use crate::Key;
 #[non_exhaustive]
 pub struct HeavyHitter {
     /// The key: fingerprinted (`Key(#1a2b3c4d)`; addresses as they are) unless raw keys were
-    /// asked for ([`LimiterBuilder::heavy_hitters`](crate::LimiterBuilder::heavy_hitters)).
+    /// asked for ([`LimiterBuilder::heavy_hitters`](crate::LimiterBuilder::heavy_hitters));
+    /// even then, a key whose text starts as another key's form does (`Key(`) is fingerprinted,
+    /// so that no client's text reads as an address.
     pub key: String,
     /// Refusals counted over the last one to two periods (at most that many more, for a key
     /// that took another's place in the summary).
@@ -136,7 +138,11 @@ impl HeavyHitters {
             .take(n)
             .map(|(k, denials)| HeavyHitter {
                 key: if self.raw {
-                    k.readable().unwrap_or_else(|| k.to_string())
+                    // A client's text written like another key's form (`Key(ip …)`) is shown
+                    // in its own form instead: an operator must never take it for an address.
+                    k.readable()
+                        .filter(|text| !text.starts_with("Key("))
+                        .unwrap_or_else(|| k.to_string())
                 } else {
                     k.to_string()
                 },
@@ -248,5 +254,12 @@ mod tests {
         hidden.denied(&Key::new("secret-api-key"), S);
         let shown = &hidden.top(1, S)[0].key;
         assert!(!shown.contains("secret"), "{shown}");
+        // Raw, a client's text never reads as an address's key.
+        let raw = HeavyHitters::new(10, Duration::from_secs(60), true);
+        let address = Key::from_ip("203.0.113.7".parse().unwrap(), 64);
+        raw.denied(&Key::new(address.to_string()), S);
+        let shown = &raw.top(1, S)[0].key;
+        assert_ne!(shown, &address.to_string());
+        assert!(shown.starts_with("Key(#"), "{shown}");
     }
 }
