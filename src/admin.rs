@@ -16,7 +16,8 @@
 //! `/keys/{key}` route also exists as `/ips/{addr}`, for the keys of clients limited by
 //! address ([`PeerIp`](crate::key::PeerIp), the fallback key): `{addr}` is an IPv4 or IPv6
 //! address, IPv6 grouped by `/64` as `PeerIp` groups it by default, or by `/N` written after
-//! it (`2001:db8::%2F56`, the slash percent-encoded); a malformed one is `400` with
+//! it (`2001:db8::%2F56`, the slash percent-encoded; N from 32 to 128, the groupings `PeerIp`
+//! makes); a malformed one is `400` with
 //! `{"error":"invalid_address"}`. A store that cannot answer gives `503` with
 //! `{"error":"store_unavailable"}`. `GET` answers:
 //!
@@ -179,7 +180,10 @@ fn address_key(text: &str) -> Option<Key> {
                 && !p.is_empty()
                 && p.bytes().all(|b| b.is_ascii_digit()) =>
         {
-            p.parse::<u8>().ok().filter(|&p| p <= 128)?
+            // Only a grouping `PeerIp` makes: a wider one names a key no request ever has.
+            p.parse::<u8>()
+                .ok()
+                .filter(|p| crate::key::IPV6_PREFIXES.contains(p))?
         }
         // An IPv4 address (mapped into IPv6 or not) is one client: a prefix would promise a
         // grouping that is not made.

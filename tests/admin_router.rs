@@ -104,6 +104,7 @@ async fn a_malformed_address_is_a_clear_400() {
         "/ips/not-an-address",
         "/ips/203.0.113.7%2F24",
         "/ips/2001:db8::1%2F129",
+        "/ips/2001:db8::1%2F16",
         "/ips/2001:db8::1%2F",
         "/ips/2001:db8::1%2Fx",
         "/ips/::ffff:203.0.113.7%2F96",

@@ -5,6 +5,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 
+/// The IPv6 groupings [`PeerIp`] makes (and the admin router names).
+pub(crate) const IPV6_PREFIXES: std::ops::RangeInclusive<u8> = 32..=128;
+
 use http::request::Parts;
 use http::HeaderName;
 
@@ -372,7 +375,7 @@ impl PeerIp {
 
     /// The error a layer's `build` returns for these settings, if any.
     pub(crate) fn check(&self) -> Result<(), crate::ConfigError> {
-        if !(32..=128).contains(&self.ipv6_prefix) {
+        if !IPV6_PREFIXES.contains(&self.ipv6_prefix) {
             return Err(crate::ConfigError::Invalid {
                 setting: "PeerIp::ipv6_prefix",
                 reason: format!("must be between 32 and 128, got {}", self.ipv6_prefix),
