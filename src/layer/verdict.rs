@@ -521,10 +521,8 @@ fn warn_unmetered() {
 
 /// Whether `decision` took from the shared budget (the store, or a block leased from it), so
 /// that metering, settling and refunds apply to it. Each rule's own, never the governing
-/// decision's: in a partial outage one rule can be decided by the fallback while another was
-/// counted (the fallback's smaller share then governs the headers), and a body read on into an
-/// outage leaves the outage policy's decision in place of the one that took the permits (its
-/// receipt kept).
+/// decision's: a body read on into an outage leaves the outage policy's decision in place of
+/// the one that took the permits (its receipt kept), and that decision may govern.
 fn counted(decision: &Decision) -> bool {
     decision.taken.is_some() || matches!(decision.source, Source::Store | Source::Lease)
 }
