@@ -284,6 +284,45 @@ async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
     assert_eq!(left, 9, "only the served request counted");
 }
 
+/// The same with the IETF header style: the refusal names both policies, the concurrency
+/// limit's and the rate limit's (an earlier change replaced the concurrency layer's lists by
+/// the rate limit's alone: a 429 that said 9 requests were left and never named the limit that
+/// refused it).
+#[tokio::test]
+async fn a_refusal_inside_a_rate_limit_names_both_policies() {
+    let store = MemoryStore::new();
+    let concurrency = ConcurrencyLimiter::builder(store.clone(), "in-flight", 1)
+        .build()
+        .unwrap();
+    let rate = fleetlimit::Limiter::builder(store)
+        .rule(
+            fleetlimit::Rule::new("api", fleetlimit::Quota::per_minute(10).build().unwrap())
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let seen = Arc::new(Handlers::default());
+    let app = app(concurrency, seen.clone()).layer(
+        RateLimitLayer::builder(rate)
+            .key(key::header("x-api-key"))
+            .headers(fleetlimit::HeaderStyle::Ietf)
+            .build()
+            .unwrap(),
+    );
+    let first = tokio::spawn(send(app.clone()));
+    in_handler(&seen).await;
+    let (status, headers) = send(app.clone()).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    for name in ["ratelimit-policy", "ratelimit"] {
+        let list = headers[name].to_str().unwrap();
+        assert!(
+            list.contains("\"in-flight\"") && list.contains("\"api\""),
+            "{name}: {list}"
+        );
+    }
+    assert_eq!(first.await.unwrap().0, StatusCode::OK);
+}
+
 /// An acquisition dropped while its call is in flight (the client went away, an outer timeout)
 /// gives back the slot the call took in Redis, at once rather than a ttl later.
 #[tokio::test]

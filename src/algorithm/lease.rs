@@ -30,21 +30,6 @@ pub(crate) struct Granted {
     pub(crate) taken: Taken,
 }
 
-impl Granted {
-    /// No permits: a lease that takes nothing.
-    pub(crate) fn nothing(now: u64, quota: &Quota) -> Granted {
-        Granted {
-            permits: 0,
-            valid_until: now,
-            taken: Taken {
-                at: now,
-                cost: 0,
-                algorithm: quota.algorithm(),
-            },
-        }
-    }
-}
-
 impl State {
     /// Whether this algorithm can be leased.
     pub(crate) fn leasable(quota: &Quota) -> bool {

@@ -128,13 +128,13 @@ impl State {
         }
     }
 
-    /// Whether [`decide`](State::decide) converts this state to `quota` and keeps the
-    /// conversion even when nothing is taken: a conversion is kept unless it cuts a debt at
-    /// [`RESCALE_CAP`] (see the buckets' `conversion_clamps`); such a state is refused under
-    /// `quota` and keeps its own scale.
-    pub(crate) fn keeps_conversion(&self, now: u64, quota: &Quota) -> bool {
+    /// Whether [`decide`](State::decide) converts this state to `quota` and cuts its debt at
+    /// [`RESCALE_CAP`] (see the buckets' `conversion_clamps`): a debt past what any quota holds,
+    /// refused under `quota` whatever the cut. Such a conversion is never kept: read back under
+    /// its own quota, the cut debt would be gone.
+    pub(crate) fn conversion_clamps(&self, now: u64, quota: &Quota) -> bool {
         self.converts(now, quota)
-            && !match self {
+            && match self {
                 State::TokenBucket(s) => s.conversion_clamps(now, quota),
                 State::Gcra(s) => s.conversion_clamps(now, quota),
                 _ => false,

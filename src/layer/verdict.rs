@@ -238,10 +238,12 @@ impl Verdict {
         }
         let refund = self.refund(refused_inside, response);
         let shown = merge(self.info(), inside);
-        if inside.is_none() && self.config.headers == super::HeaderStyle::Ietf {
-            // Only an inner fleetlimit layer's lists are joined to this layer's: a handler's or
-            // an upstream's own (another draft's syntax, say) are replaced, as every other
-            // style replaces its headers.
+        let from_fleetlimit = inside.is_some() || refused_inside;
+        if !from_fleetlimit && self.config.headers == super::HeaderStyle::Ietf {
+            // Only an inner fleetlimit layer's lists (a rate limit's, or a concurrency or
+            // shedding refusal's) are joined to this layer's: a handler's or an upstream's own
+            // (another draft's syntax, say) are replaced, as every other style replaces its
+            // headers.
             super::headers::clear_ietf(response.headers_mut());
         }
         self.write_headers(&shown.decision, response.headers_mut());

@@ -1097,14 +1097,24 @@ mod tests {
         assert_eq!(plain.peek(&busy).await.unwrap().remaining, 98);
     }
 
+    /// Ten requests at once on a key whose first block is on its way (the store 2 ms away):
+    /// one lease call, whose block serves them all; the others wait for it instead of each
+    /// asking for a block of its own.
     #[tokio::test(start_paused = true)]
     async fn one_refill_per_key_in_flight() {
-        let (leased, plain, _) = fleet(LeaseConfig::fixed(12));
+        let (leased, plain) = leasing_two_ms_away();
         let key = Key::new("k");
-        let decisions = futures_join((0..12).map(|_| leased.consume(&key, 1))).await;
-        assert!(decisions.iter().all(|d| d.as_ref().unwrap().allowed));
-        assert_eq!(leased.stats().lease_calls, 1, "one block served all twelve");
-        assert_eq!(plain.peek(&key).await.unwrap().remaining, 88);
+        let requests: Vec<_> = (0..10)
+            .map(|_| {
+                let (leased, key) = (leased.clone(), key.clone());
+                tokio::spawn(async move { leased.consume(&key, 1).await.unwrap() })
+            })
+            .collect();
+        for r in requests {
+            assert!(r.await.unwrap().allowed);
+        }
+        assert_eq!(leased.stats().lease_calls, 1, "one block served all ten");
+        assert_eq!(plain.peek(&key).await.unwrap().remaining, 90);
     }
 
     /// A spent leased key, a store 2 ms away, and 200 requests at once of costs 1 to 40 (the
@@ -1145,18 +1155,6 @@ mod tests {
             let d = r.await.unwrap();
             assert!(!d.allowed && !d.degraded, "{d:?}");
         }
-    }
-
-    /// Runs futures concurrently on the current task, in order.
-    async fn futures_join<F: std::future::Future>(
-        futures: impl Iterator<Item = F>,
-    ) -> Vec<F::Output> {
-        let handles: Vec<_> = futures.map(Box::pin).collect();
-        let mut out = Vec::new();
-        for h in handles {
-            out.push(h.await);
-        }
-        out
     }
 
     #[test]

@@ -804,6 +804,12 @@ impl Inner {
                 shard.sweep(now, self.shard_capacity);
             }
         }
+        // A sweep that evicted moved its shard's time past `now` (see `Shard::sweep`): the
+        // batch is decided after it too.
+        let now = guards.iter().fold(now, |now, shard| now.max(shard.latest));
+        for shard in guards.iter_mut() {
+            shard.latest = now;
+        }
         let slot = |hash: u64| {
             let shard = self.shard_of(hash);
             order.iter().position(|&i| i == shard).unwrap_or(0)
@@ -1001,9 +1007,22 @@ impl Shard {
         // decision. A peek writes nothing: it may read the key under a quota that is not its own
         // (an inspection under the rule's quota, where the key's is decided per request), and
         // converted, an hour's count would move into a minute that ends. (A log's clean-up is
-        // kept in both, and a log is never converted.) Nor a conversion that cuts a debt at the
-        // cap ([`State::keeps_conversion`]).
-        let converts = op == Op::Consume && state.keeps_conversion(now, quota);
+        // kept in both, and a log is never converted.)
+        // A conversion that cuts a debt at the cap is decided on a copy, wherever the state
+        // lives (a key's entry, the rule's shared overflow state): refused under this quota,
+        // the state kept in its own scale (see `State::conversion_clamps`).
+        if op == Op::Consume && state.conversion_clamps(now, quota) {
+            let decision = state.clone().decide(now, quota, check.cost);
+            if !decision.allowed {
+                if place == Place::Found {
+                    if let Some(entry) = self.find(check, hash) {
+                        entry.refused(&decision, quota);
+                    }
+                }
+                return (decision, place, None);
+            }
+        }
+        let converts = op == Op::Consume && state.converts(now, quota);
         let undo = (place == Place::Found && !converts && !matches!(state, State::SlidingLog(_)))
             .then(|| state.clone());
         let mut decision = match state {
@@ -1271,13 +1290,25 @@ impl MemoryStore {
         let mut shard = lock(&inner.shards[inner.shard_of(hash)]);
         let now = shard.at(now);
         let max_validity_us = max_validity.as_micros().min(u128::from(u64::MAX / 4)) as u64;
-        let granted = shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
-            if state.converts(now, quota) && !state.keeps_conversion(now, quota) {
+        if let Some(entry) = shard.find(&check, hash) {
+            if entry.state.conversion_clamps(now, quota) {
                 // A debt cut at the conversion's cap: refused under this quota, nothing to
                 // lease, and the state kept in its own scale (as a consume keeps it).
-                let granted = crate::algorithm::lease::Granted::nothing(now, quota);
-                return (Some(granted), peek(&mut state.clone(), now, quota));
+                return Ok(Lease {
+                    permits: 0,
+                    valid_until_us: now,
+                    valid_for: Duration::ZERO,
+                    state: peek(&mut entry.state.clone(), now, quota),
+                    taken: crate::Taken {
+                        at: now,
+                        cost: 0,
+                        algorithm: quota.algorithm(),
+                    },
+                    listed: false,
+                });
             }
+        }
+        let granted = shard.with_entry(&check, hash, now, inner.shard_capacity, |state| {
             let granted = state.lease(now, quota, check.cost, max_validity_us);
             (granted, peek(state, now, quota))
         });
@@ -2402,6 +2433,74 @@ mod tests {
             taken,
         }]);
         assert!(!s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+    }
+
+    /// The same for a key evicted by the sweep of a batch (a request under two rules), which
+    /// the batch then decides afresh.
+    #[test]
+    fn a_receipt_from_the_microsecond_of_a_batchs_eviction_refunds_nothing() {
+        let clock = ManualClock::default();
+        let s = one_shard(&clock, 16, false);
+        let (r, other) = (
+            rule("r", Algorithm::FixedWindow, 10),
+            rule("other", Algorithm::FixedWindow, 10),
+        );
+        let k = Key::new("k");
+        let taken = s.apply_now(Op::Consume, &one(&r, &k, 1))[0].taken.unwrap();
+        for i in 0..15u32 {
+            s.apply_now(Op::Consume, &one(&r, &Key::new(i.to_be_bytes()), 4));
+        }
+        let batch = [
+            Check {
+                rule: &r,
+                key: &k,
+                cost: 10,
+            },
+            Check {
+                rule: &other,
+                key: &k,
+                cost: 1,
+            },
+        ];
+        let d = s.apply_now(Op::Consume, &batch);
+        assert!(
+            d.iter().all(|d| d.allowed),
+            "k evicted, then decided afresh: {d:?}"
+        );
+        s.refund_now(&[Refund {
+            rule: &r,
+            key: &k,
+            taken,
+        }]);
+        assert!(!s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+    }
+
+    /// A lease under a quota that would cut the key's debt at the conversion's cap (a plan of
+    /// 1,000 an hour spent, read under one request per 366 days) takes nothing and keeps the
+    /// debt, as a consume does: back under its plan, the key had 857 permits again.
+    #[test]
+    fn a_lease_under_a_quota_that_cuts_the_debt_keeps_it() {
+        let clock = ManualClock::default();
+        let s = store(&clock, 100);
+        let gcra = |quota: crate::quota::QuotaBuilder| {
+            Rule::new("r", quota.algorithm(Algorithm::Gcra).build().unwrap()).unwrap()
+        };
+        let plan = gcra(Quota::per_hour(1000));
+        let suspended = gcra(Quota::new(1, Duration::from_secs(366 * 86_400)));
+        let k = Key::new("k");
+        assert!(s.apply_now(Op::Consume, &one(&plan, &k, 1000))[0].allowed);
+        let lease = s
+            .lease_now(
+                Check {
+                    rule: &suspended,
+                    key: &k,
+                    cost: 10,
+                },
+                Duration::from_secs(1),
+            )
+            .unwrap();
+        assert_eq!(lease.permits, 0);
+        assert!(!s.apply_now(Op::Consume, &one(&plan, &k, 1))[0].allowed);
     }
 
     #[tokio::test]
