@@ -134,6 +134,43 @@ async fn a_suspension_past_the_conversions_range_keeps_the_debt() {
     }
 }
 
+/// A key under a quota of a shorter period for a while (an override of 10 a minute on a rule
+/// of 1,000 an hour) and then its own again: the hour's permits are still counted. The minute
+/// takes the hour's count at first (refused until its window lets it go), then admits its own
+/// 10; back under the hour, nothing more. The sliding window let the hour's count go with the
+/// minute's: 1,000 more at once when the override was lifted (2,020 in five minutes against
+/// 1,000 an hour), and every minute for a key alternating between two plans.
+#[tokio::test]
+async fn a_shorter_period_for_a_while_forgets_nothing_of_the_longer() {
+    for algorithm in [Algorithm::SlidingWindow, Algorithm::FixedWindow] {
+        each_backend(async |backend, clock, name| {
+            let hourly = Quota::per_hour(1000).algorithm(algorithm).build().unwrap();
+            let limiter = backend.limiter(hourly, &clock).await;
+            let key = Key::new("tenant");
+            assert_eq!(
+                admitted(&limiter, &key, 1000).await,
+                1000,
+                "{name} {algorithm}"
+            );
+            clock.advance(Duration::from_secs(60));
+            limiter
+                .set_override("api", &key, Some(quota(algorithm, 10)))
+                .unwrap();
+            assert_eq!(admitted(&limiter, &key, 30).await, 0, "{name} {algorithm}");
+            clock.advance(Duration::from_secs(140));
+            assert_eq!(admitted(&limiter, &key, 30).await, 10, "{name} {algorithm}");
+            clock.advance(Duration::from_secs(100));
+            limiter.set_override("api", &key, None).unwrap();
+            assert_eq!(
+                admitted(&limiter, &key, 1000).await,
+                0,
+                "{name} {algorithm}: back under the hour"
+            );
+        })
+        .await;
+    }
+}
+
 /// Two limiters giving one rule name different algorithms (a reconfiguration while the old
 /// limiter's clones still serve) keep a count each, on both stores, as Redis names its keys
 /// by algorithm: alternating requests admit each quota once, 20 of 100. The memory store once

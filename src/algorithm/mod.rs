@@ -105,10 +105,14 @@ impl State {
         (!decision.allowed).then_some(decision)
     }
 
-    /// Whether this state holds a longer window's count (a fixed window after a shorter
-    /// period's conversion): evicted, that window would find the key fresh.
+    /// Whether this state holds a longer window's count (a window after a shorter period's
+    /// conversion): evicted, that window would find the key fresh.
     pub(crate) fn holds_a_longer_window(&self) -> bool {
-        matches!(self, State::FixedWindow(s) if s.holds())
+        match self {
+            State::FixedWindow(s) => s.holds(),
+            State::SlidingWindow(s) => s.holds(),
+            _ => false,
+        }
     }
 
     /// Whether `decide` would convert this state, written under another quota.
@@ -118,7 +122,7 @@ impl State {
             State::SlidingWindow(s) => {
                 s.period != 0
                     && (s.period != quota.period_us()
-                        || s.counts.len() as u64 != quota.sub_windows() + 1)
+                        || s.counts().len() as u64 != quota.sub_windows() + 1)
             }
             State::TokenBucket(s) => {
                 s.scale != quota.token_units() || s.rate != quota.refill_units()

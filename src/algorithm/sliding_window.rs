@@ -24,8 +24,13 @@
 //! Quota changes: a new limit reads the counts as they are, so the estimate never passes the
 //! larger limit while two limits write one key. A new period or sub-window count moves every
 //! permit still counted into the current sub-window of the new alignment: conservative (it may
-//! refuse a little longer than either quota would), never more permissive.
+//! refuse a little longer than either quota would), never more permissive. A shorter period
+//! would let those permits go before the longer one does: they are also held (with every permit
+//! taken since) until the longer alignment lets its last one go, and a conversion back counts
+//! them, as the fixed window holds a longer window's count. Without it, a key alternating
+//! between an hourly plan and a per-minute one took the hour's limit again every minute.
 
+use super::fixed_window::MAX_HELD;
 use super::{never, receipt, us};
 use crate::{Algorithm, Decision, Quota, Taken, WindowEstimate};
 
@@ -34,8 +39,11 @@ pub(crate) struct SlidingWindow {
     /// Start of the current sub-window (µs).
     pub(crate) start: u64,
     /// Permits taken per sub-window, oldest first: the one sliding out, then the `n` the period
-    /// spans, the last being the current one. Empty for a fresh state.
-    pub(crate) counts: Box<[u64]>,
+    /// spans, the last being the current one; then the held count and until when it is held
+    /// (see [`held`](SlidingWindow::held)), in the same allocation, so that the state (and
+    /// every entry of the memory store, whatever its algorithm) stays as small as it was.
+    /// Empty for a fresh state.
+    cells: Box<[u64]>,
     /// The sum of `counts[1..]` (all but the sub-window sliding out), kept as they change so a
     /// decision does not add them up.
     pub(crate) newer: u64,
@@ -46,10 +54,42 @@ pub(crate) struct SlidingWindow {
     pub(crate) valid_from: u64,
 }
 
+/// The cells after the counts: the held count, and until when.
+const HELD_CELLS: usize = 2;
+
 impl SlidingWindow {
+    /// Permits taken per sub-window, oldest first (empty for a fresh state).
+    pub(crate) fn counts(&self) -> &[u64] {
+        let len = self.cells.len().saturating_sub(HELD_CELLS);
+        &self.cells[..len]
+    }
+
+    fn counts_mut(&mut self) -> &mut [u64] {
+        let len = self.cells.len().saturating_sub(HELD_CELLS);
+        &mut self.cells[..len]
+    }
+
+    /// The permits a longer alignment than this one still counts (those it counted when the
+    /// state was converted to a shorter period, and every permit taken since), and when that
+    /// alignment lets its last one go (µs); `(0, 0)` when none.
+    fn held(&self) -> (u64, u64) {
+        match *self.cells {
+            [.., held, until] if self.cells.len() > HELD_CELLS => (held, until),
+            _ => (0, 0),
+        }
+    }
+
+    fn set_held(&mut self, held: u64, until: u64) {
+        if self.cells.len() > HELD_CELLS {
+            let len = self.cells.len();
+            self.cells[len - 2] = held;
+            self.cells[len - 1] = until;
+        }
+    }
+
     /// The width of one sub-window (µs); 0 for a fresh state.
     fn width(&self) -> u64 {
-        match self.counts.len() {
+        match self.counts().len() {
             0 | 1 => 0,
             len => self.period / (len as u64 - 1),
         }
@@ -58,7 +98,8 @@ impl SlidingWindow {
     /// [`width`](SlidingWindow::width), read from `quota` when the state was written under it
     /// (no division).
     fn width_under(&self, quota: &Quota) -> u64 {
-        if self.period == quota.period_us() && self.counts.len() as u64 == quota.sub_windows() + 1 {
+        if self.period == quota.period_us() && self.counts().len() as u64 == quota.sub_windows() + 1
+        {
             quota.sub_window().get()
         } else {
             self.width()
@@ -67,8 +108,8 @@ impl SlidingWindow {
 
     /// Permits still counted at `now` (by the quota the state was written under).
     fn still_counted(&self, now: u64) -> u64 {
-        let (width, len) = (self.width(), self.counts.len() as u64);
-        self.counts
+        let (width, len) = (self.width(), self.counts().len() as u64);
+        self.counts()
             .iter()
             .enumerate()
             .filter(|&(i, _)| {
@@ -88,14 +129,31 @@ impl SlidingWindow {
         let n = quota.sub_windows();
         let width = quota.sub_window();
         let window = now - now % width;
-        if self.period != period || self.counts.len() as u64 != n + 1 {
+        let (mut held, mut held_until) = self.held();
+        if held_until <= now {
+            (held, held_until) = (0, 0);
+        }
+        if self.period != period || self.counts().len() as u64 != n + 1 {
             let still = self.still_counted(now);
-            let mut counts = vec![0; n as usize + 1];
-            counts[n as usize] = still;
+            // The new alignment counts what the old one still counts and what a held count
+            // holds (over-counting, never under), in its current sub-window, which it lets go
+            // a period and a width on.
+            let count = still.max(held);
+            let released = window + period + width.get();
+            if held_until <= released {
+                (held, held_until) = (0, 0);
+            }
+            let old_released = self.start + self.period + self.width();
+            if still > 0 && old_released > released {
+                held = held.max(still);
+                held_until = held_until.max(old_released);
+            }
+            let mut cells = vec![0; n as usize + 1 + HELD_CELLS];
+            cells[n as usize] = count;
             *self = SlidingWindow {
                 start: window,
-                counts: counts.into_boxed_slice(),
-                newer: still,
+                cells: cells.into_boxed_slice(),
+                newer: count,
                 period,
                 valid_from: if self.period != 0 {
                     now
@@ -104,18 +162,22 @@ impl SlidingWindow {
                 },
             };
         }
+        if (held, held_until) != self.held() {
+            self.set_held(held, held_until);
+        }
         // A clock that stepped back stays in the newer sub-window.
         if window > self.start {
             let steps = (window - self.start) / width;
-            let len = self.counts.len();
+            let counts = self.counts_mut();
+            let len = counts.len();
             if steps >= len as u64 {
-                self.counts.fill(0);
+                counts.fill(0);
             } else {
                 let steps = steps as usize;
-                self.counts.rotate_left(steps);
-                self.counts[len - steps..].fill(0);
+                counts.rotate_left(steps);
+                counts[len - steps..].fill(0);
             }
-            self.newer = self.counts.iter().skip(1).sum();
+            self.newer = self.counts().iter().skip(1).sum();
             self.start = window;
         }
     }
@@ -127,10 +189,10 @@ impl SlidingWindow {
             WindowEstimate::Bounded => 0,
             _ => (now.saturating_sub(self.start) / 1000).min(w_ms),
         };
-        debug_assert_eq!(self.newer, self.counts.iter().skip(1).sum::<u64>());
+        debug_assert_eq!(self.newer, self.counts().iter().skip(1).sum::<u64>());
         // Exact while the counts are within the limit (the quota keeps limit × B below 2^50);
         // counts converted from a much larger quota can pass it, and then saturate: refused.
-        self.counts[0]
+        self.counts()[0]
             .saturating_mul(w_ms - elapsed_ms)
             .saturating_add(self.newer.saturating_mul(w_ms))
     }
@@ -146,7 +208,7 @@ impl SlidingWindow {
     pub(crate) fn rolled(&self, now: u64, quota: &Quota) -> bool {
         let width = quota.sub_window();
         self.period == quota.period_us()
-            && self.counts.len() as u64 == quota.sub_windows() + 1
+            && self.counts().len() as u64 == quota.sub_windows() + 1
             && now - now % width <= self.start
     }
 
@@ -183,8 +245,8 @@ impl SlidingWindow {
         // `ahead` sub-windows from now, the counts have moved `ahead` places: the oldest is
         // counts[ahead], and its weight falls as that sub-window goes on:
         // oldest × (B − e) ≤ (limit − newer − cost) × B.
-        let mut newer: u64 = self.counts.iter().sum();
-        for (ahead, &oldest) in self.counts.iter().enumerate() {
+        let mut newer: u64 = self.counts().iter().sum();
+        for (ahead, &oldest) in self.counts().iter().enumerate() {
             newer -= oldest;
             if newer + cost > limit {
                 continue;
@@ -202,14 +264,14 @@ impl SlidingWindow {
             }
         }
         // Once every counted sub-window has slid out.
-        self.start + self.counts.len() as u64 * width
+        self.start + self.counts().len() as u64 * width
     }
 
     /// From when nothing is counted: the newest non-empty sub-window has slid out (`width`: the
     /// state's sub-window).
     fn empty_from(&self, now: u64, width: u64) -> u64 {
-        let len = self.counts.len() as u64;
-        match self.counts.iter().rposition(|&c| c > 0) {
+        let len = self.counts().len() as u64;
+        match self.counts().iter().rposition(|&c| c > 0) {
             Some(i) => self.start - (len - 1 - i as u64) * width + self.period + width,
             None => now,
         }
@@ -217,19 +279,31 @@ impl SlidingWindow {
 
     #[inline(always)]
     pub(crate) fn commit(&mut self, now: u64, cost: u64) -> Taken {
-        self.count_now(cost);
+        self.count_now(now, cost);
         self.taken(now, cost)
     }
 
-    /// Count `n` more permits in the current sub-window.
-    fn count_now(&mut self, n: u64) {
-        let len = self.counts.len();
-        if let Some(current) = self.counts.last_mut() {
+    /// Count `n` more permits at `now`: in the current sub-window, and in a longer alignment
+    /// that holds a count (up to [`MAX_HELD`]).
+    fn count_now(&mut self, now: u64, n: u64) {
+        let counts = self.counts_mut();
+        let len = counts.len();
+        if let Some(current) = counts.last_mut() {
             *current += n;
             if len > 1 {
                 self.newer += n;
             }
         }
+        let (held, until) = self.held();
+        if until > now {
+            self.set_held(held.saturating_add(n).min(MAX_HELD), until);
+        }
+    }
+
+    /// Whether this state holds a longer alignment's count (evicted, that alignment would find
+    /// the key fresh).
+    pub(crate) fn holds(&self) -> bool {
+        self.held().0 > 0
     }
 
     /// A receipt for `cost` permits counted at `now`, in the current sub-window.
@@ -248,13 +322,15 @@ impl SlidingWindow {
             return;
         }
         let back = ((self.start - window) / width) as usize;
-        let len = self.counts.len();
+        let counts = self.counts_mut();
+        let len = counts.len();
         if back < len {
             let i = len - 1 - back;
-            let before = self.counts[i];
-            self.counts[i] = before.saturating_sub(taken.cost);
+            let before = counts[i];
+            counts[i] = before.saturating_sub(taken.cost);
+            let after = counts[i];
             if i > 0 {
-                self.newer -= before - self.counts[i];
+                self.newer -= before - after;
             }
         }
     }
@@ -269,16 +345,20 @@ impl SlidingWindow {
             (quota.limit() * w_ms.get()).saturating_sub(self.weighted(now, quota, w_ms.get()))
                 / w_ms;
         let permits = max.min(room);
-        self.count_now(permits);
+        self.count_now(now, permits);
         (permits, self.start + width)
     }
 
     pub(crate) fn expires_at(&self, quota: &Quota) -> u64 {
-        debug_assert_eq!(self.newer, self.counts.iter().skip(1).sum::<u64>());
-        if self.newer > 0 || self.counts.first().is_some_and(|&c| c > 0) {
+        debug_assert_eq!(self.newer, self.counts().iter().skip(1).sum::<u64>());
+        let own = if self.newer > 0 || self.counts().first().is_some_and(|&c| c > 0) {
             self.empty_from(0, self.width_under(quota))
         } else {
             0
+        };
+        match self.held() {
+            (0, _) => own,
+            (_, until) => own.max(until),
         }
     }
 }

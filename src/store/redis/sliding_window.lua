@@ -2,11 +2,11 @@
 -- State: HASH { s = start of the current sub-window, b = the counts, oldest first, as a
 -- MessagePack array of integers (the sub-window sliding out, then the n the period spans),
 -- w = the period the sub-windows were aligned to, v = receipts from before this time refund
--- nothing }.
+-- nothing, h = the count a longer alignment holds until u (both only while one does) }.
 local sliding_window = {}
 
 function sliding_window.load(key)
-  local v = redis.call('HMGET', key, 's', 'b', 'w', 'v', 'p', 'c')
+  local v = redis.call('HMGET', key, 's', 'b', 'w', 'v', 'p', 'c', 'h', 'u')
   local counts, legacy = {}, false
   if v[2] then
     counts = cmsgpack.unpack(v[2])
@@ -18,6 +18,7 @@ function sliding_window.load(key)
   return {
     key = key, start = tonumber(v[1]) or 0, counts = counts, period = tonumber(v[3]) or 0,
     valid_from = tonumber(v[4]) or 0, legacy = legacy,
+    held = tonumber(v[7]) or 0, held_until = tonumber(v[8]) or 0, had_held = v[7] ~= false,
   }
 end
 
@@ -40,6 +41,10 @@ local function sw_roll(st, now, q)
   local period, n = q.period, q.sub_windows
   local width = period / n
   local window = now - (now % width)
+  if st.held_until <= now then
+    st.held = 0
+    st.held_until = 0
+  end
   if st.period ~= period or #st.counts ~= n + 1 then
     -- A conversion is not a roll forward: it must be kept even by a peek or a denial.
     local valid_from = st.valid_from
@@ -48,10 +53,24 @@ local function sw_roll(st, now, q)
       valid_from = now
     end
     local still = sw_still_counted(st, now)
+    -- The new alignment counts what the old one still counts and what a held count holds.
+    local count = math.max(still, st.held)
+    local held, held_until = st.held, st.held_until
+    local released = window + period + width
+    if held_until <= released then
+      held = 0
+      held_until = 0
+    end
+    local old_released = st.start + st.period + sw_width(st)
+    if still > 0 and old_released > released then
+      held = math.max(held, still)
+      held_until = math.max(held_until, old_released)
+    end
     local counts = {}
     for i = 1, n + 1 do counts[i] = 0 end
-    counts[n + 1] = still
+    counts[n + 1] = count
     st.start, st.counts, st.period, st.valid_from = window, counts, period, valid_from
+    st.held, st.held_until = held, held_until
   end
   if window > st.start then
     local steps = (window - st.start) / width
@@ -133,9 +152,16 @@ function sliding_window.taken(st, now, cost)
   return at
 end
 
-function sliding_window.commit(st, now, q, cost)
+-- Count n more permits at now: in the current sub-window, and in a longer alignment that holds
+-- a count (up to 2^52: above every limit, and exact).
+local function sw_count_now(st, now, n)
   local len = #st.counts
-  st.counts[len] = st.counts[len] + cost
+  st.counts[len] = st.counts[len] + n
+  if st.held_until > now then st.held = math.min(st.held + n, 4503599627370496) end
+end
+
+function sliding_window.commit(st, now, q, cost)
+  sw_count_now(st, now, cost)
   return sliding_window.taken(st, now, cost)
 end
 
@@ -160,9 +186,15 @@ function sliding_window.save(st, now, q)
       break
     end
   end
+  if st.held > 0 then expires_at = math.max(expires_at, st.held_until) end
   if expires_at > now then
     redis.call('HSET', st.key, 's', int(st.start), 'b', cmsgpack.pack(st.counts),
       'w', int(st.period), 'v', int(st.valid_from))
+    if st.held > 0 then
+      redis.call('HSET', st.key, 'h', int(st.held), 'u', int(st.held_until))
+    elseif st.had_held then
+      redis.call('HDEL', st.key, 'h', 'u')
+    end
     if st.legacy then redis.call('HDEL', st.key, 'p', 'c') end
   end
   expire_at(st.key, expires_at, now)
@@ -173,7 +205,6 @@ function sliding_window.lease(st, now, q, max, max_validity)
   local w_ms = width / 1000
   local room = math.floor(math.max(q.limit * w_ms - sw_weighted(st, now, q, w_ms), 0) / w_ms)
   local permits = math.min(max, room)
-  local len = #st.counts
-  st.counts[len] = st.counts[len] + permits
+  sw_count_now(st, now, permits)
   return permits, math.min(now + max_validity, st.start + width), sliding_window.taken(st, now, permits)
 end
