@@ -237,34 +237,41 @@ async fn a_rolling_change_never_passes_the_larger_limit() {
     }
 }
 
-/// A rolling change of a fixed window's period (an hour's 100 to a minute's 10): the instance
-/// still on the hour must not find the key fresh each time the minute's instance has written it
-/// (it did, and admitted 421 in the hour), and once the rollout is over the minute's quota holds
-/// alone, from the next minute on.
+/// A rolling change of a window's period (an hour's 100 to a minute's 10): the instance still
+/// on the hour must not find the key fresh each time the minute's instance has written it (a
+/// fixed window admitted 421 in the hour, and a sliding window let the hour's count go with
+/// the minute's), and once the rollout is over the minute's quota holds alone: for the fixed
+/// window from the next minute on, for the sliding window once the hour's count carried into
+/// its current sub-window has slid out (a minute and a sub-window).
 #[tokio::test]
 async fn a_rolling_change_of_the_period_never_forgets_the_longer_window() {
-    let algorithm = Algorithm::FixedWindow;
-    each_backend(async |backend, clock, name| {
-        let hourly = Quota::per_hour(100).algorithm(algorithm).build().unwrap();
-        let a = backend.limiter(hourly, &clock).await;
-        let b = backend.limiter(quota(algorithm, 10), &clock).await;
-        let key = Key::new("period");
-        assert_eq!(admitted(&a, &key, 100).await, 100, "{name}");
-        // Half an hour of a request every 10 s on each.
-        let mut total = 100;
-        for _ in 0..180 {
-            clock.advance(Duration::from_secs(10));
-            total += usize::from(a.consume(&key, 1).await.unwrap().allowed);
-            total += usize::from(b.consume(&key, 1).await.unwrap().allowed);
-        }
-        assert_eq!(total, 100, "{name}: admitted within the hour");
-        // The rollout is over: the next minute is the minute's own.
-        clock.advance(Duration::from_secs(60));
-        assert_eq!(admitted(&b, &key, 20).await, 10, "{name}");
-        // And the hour's instance, back before the hour's end, still finds its hour used.
-        assert_eq!(admitted(&a, &key, 10).await, 0, "{name}");
-    })
-    .await;
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        each_backend(async |backend, clock, name| {
+            let hourly = Quota::per_hour(100).algorithm(algorithm).build().unwrap();
+            let a = backend.limiter(hourly, &clock).await;
+            let b = backend.limiter(quota(algorithm, 10), &clock).await;
+            let key = Key::new("period");
+            assert_eq!(admitted(&a, &key, 100).await, 100, "{name} {algorithm}");
+            // Half an hour of a request every 10 s on each.
+            let mut total = 100;
+            for _ in 0..180 {
+                clock.advance(Duration::from_secs(10));
+                total += usize::from(a.consume(&key, 1).await.unwrap().allowed);
+                total += usize::from(b.consume(&key, 1).await.unwrap().allowed);
+            }
+            assert_eq!(total, 100, "{name} {algorithm}: admitted within the hour");
+            // The rollout is over: the minute's quota holds alone.
+            clock.advance(Duration::from_secs(60));
+            if algorithm == Algorithm::SlidingWindow {
+                assert_eq!(admitted(&b, &key, 20).await, 0, "{name} {algorithm}");
+                clock.advance(Duration::from_secs(63));
+            }
+            assert_eq!(admitted(&b, &key, 20).await, 10, "{name} {algorithm}");
+            // And the hour's instance, back before the hour's end, still finds its hour used.
+            assert_eq!(admitted(&a, &key, 10).await, 0, "{name} {algorithm}");
+        })
+        .await;
+    }
 }
 
 /// A change is all or nothing, and keeps names and algorithms.

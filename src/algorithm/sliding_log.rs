@@ -15,7 +15,9 @@
 //! clock, to the millisecond; the memory store when it sweeps): the promise under the new period
 //! holds from one new period after the change, and until then the two stores can count a
 //! lengthened log differently. (The other algorithms convert a state the old quota has let go
-//! to a fresh one, so there they agree.) Only a consume forgets expired entries: a peek or a
+//! to a fresh one, so there they agree.) The same holds whenever two periods reach one key (an
+//! override set and lifted, two per-request plans): the longer one's entries, forgotten under
+//! the shorter, are not counted again, so a log's rule is to keep one period for every key. Only a consume forgets expired entries: a peek or a
 //! refund may read the log under a quota not the key's own (an inspection under the rule's
 //! quota, where the key's is decided per request), and a shorter period would drop entries the
 //! key's own still counts.
