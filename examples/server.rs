@@ -709,6 +709,11 @@ fn main() -> ExitCode {
                     store,
                     options: options.clone(),
                     active: active.clone(),
+                    algorithms: rules
+                        .rules
+                        .iter()
+                        .map(|r| (r.name().to_owned(), r.quota().algorithm()))
+                        .collect(),
                 };
                 tokio::spawn(reloader.watch(path.clone(), rules));
                 let current = active.clone();
@@ -1067,6 +1072,9 @@ struct Reloader {
     store: DemoStore,
     options: Box<Options>,
     active: Arc<ArcSwap<Active>>,
+    /// The algorithm of every rule name this server has run: a name removed and then added
+    /// back under another algorithm would start every key afresh too.
+    algorithms: std::collections::HashMap<String, Algorithm>,
 }
 
 /// How often the rules file is read (a change is in force within this, plus a decision).
@@ -1086,7 +1094,7 @@ fn describe(q: &Quota) -> String {
 }
 
 impl Reloader {
-    async fn watch(self, path: std::path::PathBuf, mut running: RuleSet) {
+    async fn watch(mut self, path: std::path::PathBuf, mut running: RuleSet) {
         // No text acted on yet: the file is compared with the rules in force once it settles,
         // so an edit made while the server started is not taken as already applied.
         let mut acted: Option<String> = None;
@@ -1119,7 +1127,13 @@ impl Reloader {
                 ),
                 Ok(rules) if rules == running => {}
                 Ok(rules) => match self.put_in_force(&running, &rules) {
-                    Ok(()) => running = rules,
+                    Ok(()) => {
+                        for rule in &rules.rules {
+                            self.algorithms
+                                .insert(rule.name().to_owned(), rule.quota().algorithm());
+                        }
+                        running = rules;
+                    }
                     Err(e) => tracing::warn!(
                         path = %path.display(),
                         error = %e,
@@ -1135,19 +1149,21 @@ impl Reloader {
     fn put_in_force(&self, running: &RuleSet, set: &RuleSet) -> Result<(), String> {
         let (running, rules) = (&running.rules, &set.rules);
         // A state's format is its algorithm's: under another algorithm a rule would start
-        // every key afresh (a new quota's worth at once), as `set_quotas` refuses to.
-        for old in running {
-            if let Some(new) = rules.iter().find(|r| r.name() == old.name()) {
-                if new.quota().algorithm() != old.quota().algorithm() {
+        // every key afresh (a new quota's worth at once), as `set_quotas` refuses to; so would
+        // a rule removed and later added back under another one.
+        for new in rules {
+            if let Some(&old) = self.algorithms.get(new.name()) {
+                if new.quota().algorithm() != old {
                     return Err(format!(
                         "rule \"{}\" changes its algorithm ({} to {}), which would start every key afresh; give it a new name to change it",
-                        old.name(),
-                        old.quota().algorithm(),
+                        new.name(),
+                        old,
                         new.quota().algorithm()
                     ));
                 }
             }
         }
+
         let same_shape = running.len() == rules.len()
             && running.iter().zip(rules).all(|(a, b)| {
                 a.name() == b.name() && a.quota().algorithm() == b.quota().algorithm()

@@ -655,8 +655,12 @@ impl Drop for RulesFile {
     }
 }
 
+/// A rules file of one rule, "api": `limit` an hour, counted by the log (exact, and no window
+/// a test could straddle on the real clock).
 fn rule_text(limit: u64) -> String {
-    format!("[[rule]]\nname = \"api\"\nalgorithm = \"fixed-window\"\nlimit = {limit}\nperiod = \"1h\"\n")
+    format!(
+        "[[rule]]\nname = \"api\"\nalgorithm = \"sliding-log\"\nlimit = {limit}\nperiod = \"1h\"\n"
+    )
 }
 
 /// The server's stderr, collected as it is written.
@@ -721,13 +725,27 @@ fn a_rules_file_changing_a_rules_algorithm_is_rejected() {
     let port = server.1;
     assert_eq!(status(&get(port, Some("a"))), 200);
     assert_eq!(status(&get(port, Some("a"))), 200);
-    rules.write(&rule_text(2).replace("fixed-window", "sliding-window"));
+    let changed = rule_text(2).replace("sliding-log", "gcra");
+    rules.write(&changed);
     let logged = wait_for_log(&log, "rules file rejected");
     assert!(logged.contains("changes its algorithm"), "{logged}");
     assert_eq!(
         status(&get(port, Some("a"))),
         429,
         "the spent quota stays spent"
+    );
+    // Removed, then added back under another algorithm: rejected too (it was a new rule then,
+    // and every key started afresh).
+    rules.write(&rule_text(2).replace("\"api\"", "\"other\""));
+    wait_for_log(&log, "rule removed");
+    rules.write(&changed);
+    wait_until("a second rejection", || {
+        log.lock().unwrap().matches("rules file rejected").count() >= 2
+    });
+    assert_eq!(
+        status(&get(port, Some("a"))),
+        200,
+        "only the other rule runs"
     );
 }
 
