@@ -319,13 +319,17 @@ async fn store_call_times_and_lease_blocks_count_what_they_name() {
         0.0,
         "pause reads are no decisions"
     );
-    // The quota spent by an unleased limiter on the same store: a lease grants nothing.
-    let plain = Limiter::builder(store)
-        .rule(hot())
-        .on_store_error(OnStoreError::fail_closed())
-        .deadline(Duration::from_secs(2))
-        .build()
-        .unwrap();
+    // The quota spent by an unleased limiter on the same store: a lease grants nothing. Built
+    // under this test's recorder too: its calls must not reach the process-wide series, which
+    // another test counts exactly while this one runs.
+    let plain = metrics::with_local_recorder(&recorder, || {
+        Limiter::builder(store)
+            .rule(hot())
+            .on_store_error(OnStoreError::fail_closed())
+            .deadline(Duration::from_secs(2))
+            .build()
+            .unwrap()
+    });
     consume(&plain, "k", 100).await;
     assert!(!leased.consume(&key, 1).await.unwrap().allowed);
     let blocks = r#"rule="counted-leases""#;

@@ -989,9 +989,14 @@ async fn check_version(
         Ok(Err(e)) if credentials_refused(&e) => return Err(store_error(e)),
         _ => return Ok(()),
     };
+    recent_enough(&info)
+}
+
+/// Whether every node's `INFO server` text in `info` names a Redis recent enough.
+fn recent_enough(info: &redis::Value) -> Result<(), StoreError> {
     // A cluster answers one text per node: every node must be recent enough.
     let mut texts = Vec::new();
-    collect_texts(&info, &mut texts);
+    collect_texts(info, &mut texts);
     let versions: Vec<&str> = texts
         .iter()
         .flat_map(|t| t.lines())
@@ -2170,6 +2175,44 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Redis older than 5.0 is refused, on any node of a cluster, naming the version; a reply
+    /// naming none (or one that is no version) is refused too, never taken for a recent one.
+    #[test]
+    fn only_a_recent_enough_redis_is_taken() {
+        let text = |version: &str| {
+            redis::Value::BulkString(
+                format!("# Server\r\nredis_version:{version}\r\nredis_mode:standalone\r\n")
+                    .into_bytes(),
+            )
+        };
+        for version in ["5.0.0", "7.0.15", "8.2"] {
+            assert!(recent_enough(&text(version)).is_ok(), "{version}");
+        }
+        let cluster = |versions: &[&str]| {
+            redis::Value::Map(
+                versions
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| (redis::Value::SimpleString(format!("node-{i}")), text(v)))
+                    .collect(),
+            )
+        };
+        assert!(recent_enough(&cluster(&["7.0.15", "7.2.4", "6.2.0"])).is_ok());
+        for (info, named) in [
+            (text("4.0.14"), "4.0.14"),
+            (cluster(&["7.0.15", "4.0.14", "7.2.4"]), "4.0.14"),
+            (text("5"), "5"),
+            (text("garbage"), "garbage"),
+            (
+                redis::Value::BulkString(b"# Server\r\nredis_mode:standalone\r\n".to_vec()),
+                "unknown",
+            ),
+        ] {
+            let error = recent_enough(&info).unwrap_err().to_string();
+            assert!(error.contains(TOO_OLD) && error.contains(named), "{error}");
+        }
+    }
 
     /// The value of the connection `get` hands out (made by `connect` within a second).
     async fn value_of<F>(
