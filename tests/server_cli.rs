@@ -234,7 +234,7 @@ fn help_prints_the_usage_on_stdout_and_exits_0() {
 /// why, and never prints the password.
 #[test]
 fn starts_while_redis_is_away_and_never_prints_a_password() {
-    let mut child = Command::new(server_binary())
+    let child = Command::new(server_binary())
         .args([
             "--port",
             "0",
