@@ -476,8 +476,13 @@ fn wait_for_log(log: &std::sync::Arc<std::sync::Mutex<String>>, text: &str) -> S
 
 /// Send SIGTERM (what a deploy sends) and wait for the exit: its status, and how long it took.
 fn terminate(server: &mut Server) -> (std::process::ExitStatus, Duration) {
+    signal(server, "-TERM")
+}
+
+/// Send `signal` (`-TERM`, `-INT`) and wait for the exit: its status, and how long it took.
+fn signal(server: &mut Server, signal: &str) -> (std::process::ExitStatus, Duration) {
     let term = Command::new("kill")
-        .args(["-TERM", &server.0.id().to_string()])
+        .args([signal, &server.0.id().to_string()])
         .status()
         .unwrap();
     assert!(term.success());
@@ -488,10 +493,40 @@ fn terminate(server: &mut Server) -> (std::process::ExitStatus, Duration) {
         }
         assert!(
             signalled.elapsed() < Duration::from_secs(20),
-            "still running 20 s after SIGTERM"
+            "still running 20 s after {signal}"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// SIGINT (Ctrl-C) stops the demo as SIGTERM does: exit 0, at once when nothing is in flight.
+#[test]
+fn sigint_stops_the_demo() {
+    let mut server = start(&["--port", "0"]);
+    assert_eq!(status(&get(server.1, Some("k"))), 200);
+    let (exit, took) = signal(&mut server, "-INT");
+    assert_eq!(exit.code(), Some(0), "{exit:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+/// A port already taken is a failure to start: exit 1, with a message, nothing printed on
+/// stdout (no `listening on` line a script would wait for); the `--metrics` address alike.
+#[test]
+fn a_taken_port_exits_1() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let address = format!("127.0.0.1:{port}");
+    for args in [
+        &["--port", port.as_str()][..],
+        &["--port", "0", "--metrics", address.as_str()],
+    ] {
+        let out = run_to_exit(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("error"), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    drop(taken);
 }
 
 /// Stopped by SIGTERM while a hot key is served from a leased block, the demo gives the block
