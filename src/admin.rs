@@ -183,7 +183,7 @@ fn address_key(text: &str) -> Option<Key> {
             // Only a grouping `PeerIp` makes: a wider one names a key no request ever has.
             p.parse::<u8>()
                 .ok()
-                .filter(|p| crate::key::IPV6_PREFIXES.contains(p))?
+                .filter(|p| crate::key::extract::IPV6_PREFIXES.contains(p))?
         }
         // An IPv4 address (mapped into IPv6 or not) is one client: a prefix would promise a
         // grouping that is not made.

@@ -13,12 +13,11 @@ use sha2::{Digest, Sha256};
 
 #[cfg(feature = "body")]
 mod body;
-mod extract;
+pub(crate) mod extract;
 mod forwarded;
 
 #[cfg(feature = "body")]
 pub use body::{form_field, json_field, BodyField};
-pub(crate) use extract::IPV6_PREFIXES;
 pub use extract::{from_fn, global, header, FnExtractor, Global, HeaderKey, KeyExtractor, PeerIp};
 pub use forwarded::{client_ip, ForwardedHeader, TrustedProxies};
 
