@@ -171,6 +171,39 @@ async fn a_shorter_period_for_a_while_forgets_nothing_of_the_longer() {
     }
 }
 
+/// A held count lasts as long as the longer alignment counts its permits, on both stores alike:
+/// an hour's 1,000 taken at the hour's start are let go 63 minutes on (the hour and a
+/// sub-window), whatever was refused in between. A refusal that moved the memory store's
+/// sub-window on (the script writes nothing for one) made the memory store hold them 30
+/// minutes longer than Redis.
+#[tokio::test]
+async fn a_held_count_ends_when_the_longer_window_lets_it_go() {
+    each_backend(async |backend, clock, name| {
+        let hourly = Quota::per_hour(1000)
+            .algorithm(Algorithm::SlidingWindow)
+            .build()
+            .unwrap();
+        let limiter = backend.limiter(hourly, &clock).await;
+        let key = Key::new("tenant");
+        assert_eq!(admitted(&limiter, &key, 1000).await, 1000, "{name}");
+        clock.advance(Duration::from_secs(30 * 60));
+        assert_eq!(admitted(&limiter, &key, 1).await, 0, "{name}");
+        clock.advance(Duration::from_secs(60));
+        limiter
+            .set_override("api", &key, Some(quota(Algorithm::SlidingWindow, 100)))
+            .unwrap();
+        assert_eq!(admitted(&limiter, &key, 1).await, 0, "{name}");
+        clock.advance(Duration::from_secs(39 * 60));
+        limiter.set_override("api", &key, None).unwrap();
+        assert_eq!(
+            admitted(&limiter, &key, 10).await,
+            10,
+            "{name}: let go at 63 minutes"
+        );
+    })
+    .await;
+}
+
 /// Two limiters giving one rule name different algorithms (a reconfiguration while the old
 /// limiter's clones still serve) keep a count each, on both stores, as Redis names its keys
 /// by algorithm: alternating requests admit each quota once, 20 of 100. The memory store once

@@ -143,7 +143,10 @@ impl SlidingWindow {
             if held_until <= released {
                 (held, held_until) = (0, 0);
             }
-            let old_released = self.start + self.period + self.width();
+            // When the old alignment lets its last permit go: from its newest non-empty
+            // sub-window, which a roll that only moves `start` on (a refusal in the memory
+            // store, never saved by the script) leaves where it is.
+            let old_released = self.empty_from(now, self.width());
             if still > 0 && old_released > released {
                 held = held.max(still);
                 held_until = held_until.max(old_released);

@@ -37,6 +37,14 @@ local function sw_still_counted(st, now)
   return sum
 end
 
+local function sw_empty_from(st, now)
+  local width, len = sw_width(st), #st.counts
+  for i = len, 1, -1 do
+    if st.counts[i] > 0 then return st.start - (len - i) * width + st.period + width end
+  end
+  return now
+end
+
 local function sw_roll(st, now, q)
   local period, n = q.period, q.sub_windows
   local width = period / n
@@ -61,7 +69,8 @@ local function sw_roll(st, now, q)
       held = 0
       held_until = 0
     end
-    local old_released = st.start + st.period + sw_width(st)
+    -- When the old alignment lets its last permit go: from its newest non-empty sub-window.
+    local old_released = sw_empty_from(st, now)
     if still > 0 and old_released > released then
       held = math.max(held, still)
       held_until = math.max(held_until, old_released)
@@ -96,13 +105,6 @@ local function sw_weighted(st, now, q, w_ms)
   return st.counts[1] * (w_ms - elapsed_ms) + newer * w_ms
 end
 
-local function sw_empty_from(st, now)
-  local width, len = sw_width(st), #st.counts
-  for i = len, 1, -1 do
-    if st.counts[i] > 0 then return st.start - (len - i) * width + st.period + width end
-  end
-  return now
-end
 
 local function sw_retry_at(st, q, cost)
   local width = q.period / q.sub_windows
