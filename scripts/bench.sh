@@ -150,11 +150,16 @@ served() {
   done
   [ -n "$port" ] || { echo "server did not start under callgrind: $*" >&2; cat "$dir/out" >&2; exit 1; }
   wrk -t1 -c16 -d2s "http://127.0.0.1:$port/" >/dev/null
-  callgrind_control --zero "$pid" >/dev/null 2>&1
+  # callgrind_control exits 0 even when it reached nothing: its output says.
+  control() {
+    local said; said=$(callgrind_control "$@" 2>&1 || true)
+    case "$said" in *rror*|*"not detected"*) echo "callgrind_control $* failed for $label: $said" >&2; exit 1 ;; esac
+  }
+  control --zero "$pid"
   local n; n=$(wrk -t1 -c16 -d6s "http://127.0.0.1:$port/" | awk '/requests in/ {print $1}')
-  callgrind_control --dump=measured "$pid" >/dev/null 2>&1
+  control --dump=measured "$pid"
   kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; unset 'PIDS[-1]'
-  local total; total=$(grep -l '^desc: Trigger: .*measured' "$dir"/cg.* | xargs awk '/^(summary|totals):/ {print $2; exit}')
+  local total; total=$( (grep -l '^desc: Trigger: .*measured' "$dir"/cg.* || true) | xargs -r awk '/^(summary|totals):/ {print $2; exit}')
   { [ -n "$total" ] && [ "${n:-0}" -gt 0 ]; } || { echo "no count for $label" >&2; exit 1; }
   local per=$((total / n))
   [ -n "$bare" ] || bare=$per

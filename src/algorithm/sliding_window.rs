@@ -129,11 +129,13 @@ impl SlidingWindow {
         let n = quota.sub_windows();
         let width = quota.sub_window();
         let window = now - now % width;
-        let (mut held, mut held_until) = self.held();
-        if held_until <= now {
-            (held, held_until) = (0, 0);
-        }
         if self.period != period || self.counts().len() as u64 != n + 1 {
+            // A hold that has ended counts nothing (between conversions it is only read where
+            // its end is checked: counting permits into it, and the state's expiry).
+            let (mut held, mut held_until) = self.held();
+            if held_until <= now {
+                (held, held_until) = (0, 0);
+            }
             let still = self.still_counted(now);
             // The new alignment counts what the old one still counts and what a held count
             // holds (over-counting, never under), in its current sub-window, which it lets go
@@ -164,8 +166,6 @@ impl SlidingWindow {
                     self.valid_from
                 },
             };
-        }
-        if (held, held_until) != self.held() {
             self.set_held(held, held_until);
         }
         // A clock that stepped back stays in the newer sub-window.

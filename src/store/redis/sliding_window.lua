@@ -49,6 +49,8 @@ local function sw_roll(st, now, q)
   local period, n = q.period, q.sub_windows
   local width = period / n
   local window = now - (now % width)
+  -- A hold that has ended is dropped here, so that its fields go (the memory store keeps it
+  -- until its next conversion: no decision differs, an ended hold counts nothing).
   if st.held_until <= now then
     st.held = 0
     st.held_until = 0
