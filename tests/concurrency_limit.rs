@@ -253,9 +253,12 @@ async fn a_body_dropped_mid_stream_frees_its_slot() {
     all_free(&limiter).await;
 }
 
-/// A refusal by the concurrency layer inside a rate-limit layer gives the rate permit back.
-#[tokio::test]
-async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
+/// [`app`] with one request in flight per key ("in-flight") inside a rate limit of 10 a minute
+/// ("api") writing `headers`, both on one memory store: the app, the rate limiter, and what
+/// the handlers see.
+fn rate_over_concurrency(
+    headers: fleetlimit::HeaderStyle,
+) -> (Router, fleetlimit::Limiter, Arc<Handlers>) {
     let store = MemoryStore::new();
     let concurrency = ConcurrencyLimiter::builder(store.clone(), "in-flight", 1)
         .build()
@@ -271,9 +274,17 @@ async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
     let app = app(concurrency, seen.clone()).layer(
         RateLimitLayer::builder(rate.clone())
             .key(key::header("x-api-key"))
+            .headers(headers)
             .build()
             .unwrap(),
     );
+    (app, rate, seen)
+}
+
+/// A refusal by the concurrency layer inside a rate-limit layer gives the rate permit back.
+#[tokio::test]
+async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
+    let (app, rate, seen) = rate_over_concurrency(fleetlimit::HeaderStyle::default());
     let first = tokio::spawn(send(app.clone()));
     in_handler(&seen).await;
     for _ in 0..3 {
@@ -290,25 +301,7 @@ async fn a_refusal_inside_a_rate_limit_is_refunded_there() {
 /// refused it).
 #[tokio::test]
 async fn a_refusal_inside_a_rate_limit_names_both_policies() {
-    let store = MemoryStore::new();
-    let concurrency = ConcurrencyLimiter::builder(store.clone(), "in-flight", 1)
-        .build()
-        .unwrap();
-    let rate = fleetlimit::Limiter::builder(store)
-        .rule(
-            fleetlimit::Rule::new("api", fleetlimit::Quota::per_minute(10).build().unwrap())
-                .unwrap(),
-        )
-        .build()
-        .unwrap();
-    let seen = Arc::new(Handlers::default());
-    let app = app(concurrency, seen.clone()).layer(
-        RateLimitLayer::builder(rate)
-            .key(key::header("x-api-key"))
-            .headers(fleetlimit::HeaderStyle::Ietf)
-            .build()
-            .unwrap(),
-    );
+    let (app, _, seen) = rate_over_concurrency(fleetlimit::HeaderStyle::Ietf);
     let first = tokio::spawn(send(app.clone()));
     in_handler(&seen).await;
     let (status, headers) = send(app.clone()).await;

@@ -583,14 +583,10 @@ async fn a_request_without_a_body_costs_a_byte_quota_nothing() {
     server.abort();
 }
 
-/// A service that passes a body error on as its own (`?` on the body, as a hyper or tower
-/// `service_fn` does): a body refused more bytes is still answered with the refusal, and what
-/// was read stays charged, even under a rule that gives back what server errors took. The
-/// client once got the error (a closed connection) and every KiB read was given back.
-#[tokio::test]
-async fn a_body_refusal_passed_on_as_the_services_error_is_still_a_refusal() {
-    let limiter = limiter(vec![rule("upload-kib", 3)]);
-    let layer = RateLimitLayer::builder(limiter.clone())
+/// A layer charging rule "upload-kib" by the KiB of the body, keyed by `x-api-key`, that gives
+/// back what server errors took.
+fn kib_refunding_server_errors(limiter: &Limiter) -> RateLimitLayer {
+    RateLimitLayer::builder(limiter.clone())
         .key(key::header("x-api-key"))
         .scope(
             "upload-kib",
@@ -599,9 +595,18 @@ async fn a_body_refusal_passed_on_as_the_services_error_is_still_a_refusal() {
                 .refund_if(|status| status.is_server_error()),
         )
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// A service that passes a body error on as its own (`?` on the body, as a hyper or tower
+/// `service_fn` does): a body refused more bytes is still answered with the refusal, and what
+/// was read stays charged, even under a rule that gives back what server errors took. The
+/// client once got the error (a closed connection) and every KiB read was given back.
+#[tokio::test]
+async fn a_body_refusal_passed_on_as_the_services_error_is_still_a_refusal() {
+    let limiter = limiter(vec![rule("upload-kib", 3)]);
     let service = tower::ServiceBuilder::new()
-        .layer(layer)
+        .layer(kib_refunding_server_errors(&limiter))
         .layer(MeterBodyLayer)
         .service_fn(
             |req: Request<fleetlimit::layer::MeteredBody<Body>>| async move {
@@ -625,10 +630,10 @@ async fn a_body_refusal_passed_on_as_the_services_error_is_still_a_refusal() {
     assert_eq!(left(&limiter, "upload-kib", &Key::new("tenant-1")).await, 0);
 }
 
-/// A body of these chunks, one frame each; `before(i)` runs before the `i`-th frame is handed
-/// out (`chunks.len()` for the end of the body).
+/// [`support::Chunks`], with `before(i)` run before the `i`-th frame is handed out
+/// (`i` = the number of chunks for the end of the body).
 struct Staged<F> {
-    chunks: Vec<Vec<u8>>,
+    chunks: support::Chunks,
     next: usize,
     before: F,
 }
@@ -639,16 +644,12 @@ impl<F: FnMut(usize) + Unpin> http_body::Body for Staged<F> {
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
+        cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
         let i = self.next;
-        if i > self.chunks.len() {
-            return std::task::Poll::Ready(None);
-        }
         (self.before)(i);
         self.next += 1;
-        let chunk = self.chunks.get(i).cloned();
-        std::task::Poll::Ready(chunk.map(|c| Ok(http_body::Frame::data(bytes::Bytes::from(c)))))
+        std::pin::Pin::new(&mut self.chunks).poll_frame(cx)
     }
 }
 
@@ -676,16 +677,7 @@ async fn permits_taken_before_an_outage_mid_body_are_given_back() {
             .build()
             .unwrap()
     };
-    let layer = RateLimitLayer::builder(limiter(&store))
-        .key(key::header("x-api-key"))
-        .scope(
-            "upload-kib",
-            Scope::new()
-                .cost_body(KIB)
-                .refund_if(|status| status.is_server_error()),
-        )
-        .build()
-        .unwrap();
+    let layer = kib_refunding_server_errors(&limiter(&store));
     let app = Router::new()
         .route(
             "/files/{name}",
@@ -695,7 +687,7 @@ async fn permits_taken_before_an_outage_mid_body_are_given_back() {
         .layer(layer);
     let redis = server.clone();
     let body = Staged {
-        chunks: vec![vec![b'x'; KIB as usize]; 3],
+        chunks: support::Chunks(vec![vec![b'x'; KIB as usize]; 3]),
         next: 0,
         before: move |i| match i {
             2 => redis.pause(),

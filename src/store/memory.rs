@@ -2392,6 +2392,16 @@ mod tests {
     /// A key reset while its rule's shared overflow state counts starts afresh, as on Redis (a
     /// new entry would start from a copy of that state, which a spray had spent: the reset key
     /// was refused for minutes).
+    /// Whether `k` is admitted a permit under `r` once `taken` is refunded.
+    fn admits_after_refund(s: &MemoryStore, r: &Rule, k: &Key, taken: crate::Taken) -> bool {
+        s.refund_now(&[Refund {
+            rule: r,
+            key: k,
+            taken,
+        }]);
+        s.apply_now(Op::Consume, &one(r, k, 1))[0].allowed
+    }
+
     /// A receipt taken in the very microsecond its key is reset (the memory store decides many
     /// requests in one) refunds nothing into the key's fresh state: 14 were admitted in the
     /// window where 10 are allowed, as the fresh state started at the receipt's time.
@@ -2404,12 +2414,7 @@ mod tests {
         let taken = s.apply_now(Op::Consume, &one(&r, &k, 4))[0].taken.unwrap();
         s.reset(&r, &k).await.unwrap();
         assert!(s.apply_now(Op::Consume, &one(&r, &k, 10))[0].allowed);
-        s.refund_now(&[Refund {
-            rule: &r,
-            key: &k,
-            taken,
-        }]);
-        assert!(!s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+        assert!(!admits_after_refund(&s, &r, &k, taken));
     }
 
     /// The same for a key evicted in the microsecond of its receipt: its next state starts
@@ -2427,12 +2432,7 @@ mod tests {
         let d = s.apply_now(Op::Peek, &one(&r, &k, 1))[0];
         assert_eq!(d.remaining, 10, "the least used key was evicted");
         assert!(s.apply_now(Op::Consume, &one(&r, &k, 10))[0].allowed);
-        s.refund_now(&[Refund {
-            rule: &r,
-            key: &k,
-            taken,
-        }]);
-        assert!(!s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+        assert!(!admits_after_refund(&s, &r, &k, taken));
     }
 
     /// The same for a key evicted by the sweep of a batch (a request under two rules), which
@@ -2467,12 +2467,7 @@ mod tests {
             d.iter().all(|d| d.allowed),
             "k evicted, then decided afresh: {d:?}"
         );
-        s.refund_now(&[Refund {
-            rule: &r,
-            key: &k,
-            taken,
-        }]);
-        assert!(!s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+        assert!(!admits_after_refund(&s, &r, &k, taken));
     }
 
     /// A lease under a quota that would cut the key's debt at the conversion's cap (a plan of
