@@ -20,8 +20,8 @@ use crate::Key;
 pub struct HeavyHitter {
     /// The key: fingerprinted (`Key(#1a2b3c4d)`; addresses as they are) unless raw keys were
     /// asked for ([`LimiterBuilder::heavy_hitters`](crate::LimiterBuilder::heavy_hitters));
-    /// even then, a key whose text starts as another key's form does (`Key(`) is fingerprinted,
-    /// so that no client's text reads as an address.
+    /// even then, a key whose text is not ASCII or starts as another key's form does (`Key(`)
+    /// is fingerprinted, so that no client's text reads as an address.
     pub key: String,
     /// Refusals counted over the last one to two periods (at most that many more, for a key
     /// that took another's place in the summary).
@@ -138,10 +138,12 @@ impl HeavyHitters {
             .take(n)
             .map(|(k, denials)| HeavyHitter {
                 key: if self.raw {
-                    // A client's text written like another key's form (`Key(ip …)`) is shown
-                    // in its own form instead: an operator must never take it for an address.
+                    // A client's text written like another key's form (`Key(ip …)`), or in
+                    // characters that can look like it (a zero-width space, a Cyrillic К), is
+                    // shown in its own form instead: an operator must never take it for an
+                    // address.
                     k.readable()
-                        .filter(|text| !text.starts_with("Key("))
+                        .filter(|text| text.is_ascii() && !text.trim_start().starts_with("Key("))
                         .unwrap_or_else(|| k.to_string())
                 } else {
                     k.to_string()
@@ -257,9 +259,19 @@ mod tests {
         // Raw, a client's text never reads as an address's key.
         let raw = HeavyHitters::new(10, Duration::from_secs(60), true);
         let address = Key::from_ip("203.0.113.7".parse().unwrap(), 64);
-        raw.denied(&Key::new(address.to_string()), S);
-        let shown = &raw.top(1, S)[0].key;
-        assert_ne!(shown, &address.to_string());
-        assert!(shown.starts_with("Key(#"), "{shown}");
+        for lookalike in [
+            address.to_string(),
+            format!("\u{200B}{address}"),
+            format!(" {address}"),
+            address.to_string().replacen('K', "\u{41A}", 1),
+        ] {
+            let raw = HeavyHitters::new(10, Duration::from_secs(60), true);
+            raw.denied(&Key::new(&lookalike), S);
+            let shown = &raw.top(1, S)[0].key;
+            assert!(shown.starts_with("Key(#"), "{lookalike:?} shown as {shown}");
+        }
+        // Plain text stays readable.
+        raw.denied(&Key::new("tenant-42"), S);
+        assert_eq!(raw.top(1, S)[0].key, "tenant-42");
     }
 }
