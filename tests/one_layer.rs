@@ -794,6 +794,30 @@ async fn as_account(app: &Router, method: Method, path: &str) -> StatusCode {
     app.clone().oneshot(req).await.unwrap().status()
 }
 
+/// A router with a root (`/`) and an item (`/{id}`) route, nested at `prefix`, limited once a
+/// minute by rule `name` on the pattern `/{id}` written relative to the nested router.
+fn root_and_item_nested_at(prefix: &str, name: &str) -> Router {
+    let layer = once_a_minute(name, Scope::new().route(Method::GET, "/{id}"));
+    Router::new().nest(
+        prefix,
+        Router::new()
+            .route("/", get(|| async { "root" }))
+            .route("/{id}", get(|| async { "item" }))
+            .layer(layer),
+    )
+}
+
+/// The nest's root (`path`), which `/{id}` would fit alone, is never counted as an item.
+async fn root_is_no_item(app: &Router, path: &str) {
+    for _ in 0..3 {
+        assert_eq!(
+            as_account(app, Method::GET, path).await,
+            StatusCode::OK,
+            "the nest's root is no item"
+        );
+    }
+}
+
 /// Inside a nested router (which strips its prefix from the URI), a full route matches however
 /// its parameter is named (a rules file's `/v1/users/{user}` for axum's `{id}`) and a literal
 /// path served by a parameter route (`/v1/users/me`): both were skipped, the routes unlimited.
@@ -826,21 +850,8 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
     // A pattern written relative to the nested router never matches another route's full
     // path: `/{id}` under `/users` is not `GET /users` (the list), though `/users` alone
     // would fit `/{id}`.
-    let layer = once_a_minute("item", Scope::new().route(Method::GET, "/{id}"));
-    let app = Router::new().nest(
-        "/users",
-        Router::new()
-            .route("/", get(|| async { "list" }))
-            .route("/{id}", get(|| async { "item" }))
-            .layer(layer),
-    );
-    for _ in 0..3 {
-        assert_eq!(
-            as_account(&app, Method::GET, "/users").await,
-            StatusCode::OK,
-            "the list is not an item"
-        );
-    }
+    let app = root_and_item_nested_at("/users", "item");
+    root_is_no_item(&app, "/users").await;
     admits_once(&app, Method::GET, "/users/5", "/users/6").await;
 
     // A nest whose prefix has a parameter: the full route matches by the prefix as the router
@@ -858,21 +869,8 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
     );
     admits_once(&app, Method::PUT, "/t/acme/users/7", "/t/acme/users/8").await;
 
-    let layer = once_a_minute("tenant-item", Scope::new().route(Method::GET, "/{id}"));
-    let app = Router::new().nest(
-        "/{tenant}",
-        Router::new()
-            .route("/", axum::routing::get(|| async { "root" }))
-            .route("/{id}", axum::routing::get(|| async { "item" }))
-            .layer(layer),
-    );
-    for _ in 0..3 {
-        assert_eq!(
-            as_account(&app, Method::GET, "/acme").await,
-            StatusCode::OK,
-            "the nest's root is no item"
-        );
-    }
+    let app = root_and_item_nested_at("/{tenant}", "tenant-item");
+    root_is_no_item(&app, "/acme").await;
     admits_once(&app, Method::GET, "/acme/7", "/acme/8").await;
 }
 
