@@ -253,22 +253,26 @@ pub fn pushback(status: StatusCode, headers: &HeaderMap, now: SystemTime) -> Opt
         }
     }
     // IETF draft: `RateLimit: "policy";r=0;t=5` (remaining r, reset t seconds), one item per
-    // policy: the longest reset of those with nothing left.
-    if let Some(v) = text("ratelimit") {
-        let exhausted = v.split(',').filter_map(|item| {
-            let param = |name: &str| {
-                item.split(';')
-                    .filter_map(|p| p.trim().strip_prefix(name)?.strip_prefix('='))
-                    .find_map(|n| n.trim().parse::<u64>().ok())
-            };
-            match (param("r"), param("t")) {
-                (Some(0), Some(t)) => Some(t),
-                _ => None,
-            }
-        });
-        if let Some(t) = exhausted.max() {
-            return Some(Duration::from_secs(t));
+    // policy: the longest reset of those with nothing left. A list may come split over several
+    // header lines, so every line is read.
+    let items = headers
+        .get_all("ratelimit")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','));
+    let exhausted = items.filter_map(|item| {
+        let param = |name: &str| {
+            item.split(';')
+                .filter_map(|p| p.trim().strip_prefix(name)?.strip_prefix('='))
+                .find_map(|n| n.trim().parse::<u64>().ok())
+        };
+        match (param("r"), param("t")) {
+            (Some(0), Some(t)) => Some(t),
+            _ => None,
         }
+    });
+    if let Some(t) = exhausted.max() {
+        return Some(Duration::from_secs(t));
     }
     for prefix in ["ratelimit-", "x-ratelimit-"] {
         let remaining = text(&format!("{prefix}remaining")).and_then(|v| v.parse::<u64>().ok());
@@ -299,7 +303,7 @@ mod tests {
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (n, v) in pairs {
-            h.insert(
+            h.append(
                 http::HeaderName::from_bytes(n.as_bytes()).unwrap(),
                 v.parse().unwrap(),
             );
@@ -312,7 +316,7 @@ mod tests {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
         let too_many = StatusCode::TOO_MANY_REQUESTS;
         type Case<'a> = (StatusCode, &'a [(&'a str, &'a str)], Option<u64>);
-        let cases: [Case<'_>; 12] = [
+        let cases: [Case<'_>; 13] = [
             (too_many, &[("retry-after", "2")], Some(2)),
             (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -360,6 +364,15 @@ mod tests {
                 StatusCode::OK,
                 &[("ratelimit", "\"a\";r=0;t=2, \"b\";r=1;t=50, \"c\";r=0;t=9")],
                 Some(9),
+            ),
+            // The same list split over two header lines.
+            (
+                StatusCode::OK,
+                &[
+                    ("ratelimit", "\"sec\";r=5;t=1"),
+                    ("ratelimit", "\"day\";r=0;t=3600"),
+                ],
+                Some(3600),
             ),
         ];
         for (status, pairs, expected) in cases {
