@@ -138,12 +138,19 @@ impl HeavyHitters {
             .take(n)
             .map(|(k, denials)| HeavyHitter {
                 key: if self.raw {
-                    // A client's text written like another key's form (`Key(ip …)`), or in
-                    // characters that can look like it (a zero-width space, a Cyrillic К), is
+                    // A client's text written like another key's form (`Key(ip …)`, in any
+                    // case), or holding characters that can hide or fake it (a zero-width
+                    // space, a Cyrillic К, a NUL or an escape sequence from a JSON body), is
                     // shown in its own form instead: an operator must never take it for an
                     // address.
                     k.readable()
-                        .filter(|text| text.is_ascii() && !text.trim_start().starts_with("Key("))
+                        .filter(|text| {
+                            text.bytes().all(|b| b == b' ' || b.is_ascii_graphic())
+                                && !text
+                                    .trim_start()
+                                    .get(..4)
+                                    .is_some_and(|start| start.eq_ignore_ascii_case("key("))
+                        })
                         .unwrap_or_else(|| k.to_string())
                 } else {
                     k.to_string()
@@ -264,6 +271,9 @@ mod tests {
             format!("\u{200B}{address}"),
             format!(" {address}"),
             address.to_string().replacen('K', "\u{41A}", 1),
+            format!("\0{address}"),
+            format!("\u{1b}[2K{address}"),
+            address.to_string().to_lowercase(),
         ] {
             let raw = HeavyHitters::new(10, Duration::from_secs(60), true);
             raw.denied(&Key::new(&lookalike), S);
