@@ -238,7 +238,9 @@ impl<S: Store, P> LimiterBuilder<S, P> {
                 rules: arc_swap::ArcSwap::from_pointee(self.rules),
                 changing: parking_lot::Mutex::new(()),
                 overrides: Default::default(),
-                penalties: self.penalty.map(|p| Penalties::new(p, PENALTY_RECORDS)),
+                penalties: self
+                    .penalty
+                    .map(|p| Penalties::new(p, PENALTY_RECORDS, self.deadline)),
                 other_algorithm_said: Default::default(),
                 telemetry,
                 heavy: (self.heavy.0 > 0)

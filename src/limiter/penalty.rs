@@ -92,23 +92,48 @@ struct Record {
     previous: u32,
     /// Blocks so far in the current run (0 before the first).
     blocks: u32,
+    /// When the last block was earned.
+    blocked_at: u64,
     blocked_until: u64,
     /// The end of the block before the last one earned: put back if that one is not set, so
     /// a repeat offender's run (and its doubling) goes on.
     blocked_before: u64,
 }
 
+impl Record {
+    /// The refusals counted against the key at `now`, times `within` (so unrounded): the
+    /// current window's, and the window before's in the part of it still within `within` of
+    /// now. Windows that have passed by `now` are rolled on as a refusal would roll them.
+    fn weight(&self, now: u64, within: u64) -> u128 {
+        let elapsed = now.saturating_sub(self.window_start);
+        let (current, previous, start) = if elapsed < within {
+            (self.denials, self.previous, self.window_start)
+        } else if elapsed < within.saturating_mul(2) {
+            (0, self.denials, self.window_start + within)
+        } else {
+            (0, 0, now)
+        };
+        let left = within - now.saturating_sub(start).min(within);
+        u128::from(current) * u128::from(within) + u128::from(previous) * u128::from(left)
+    }
+}
+
 /// The keys with recent denials, bounded.
 pub(crate) struct Penalties {
     config: Penalty,
+    /// How long after a block is earned a refusal by quota may still be one decided before the
+    /// block was written (twice the limiter's deadline: the write's, then the decision's).
+    straggling: u64,
     records: Mutex<HashMap<Key, Record>>,
     capacity: usize,
 }
 
 impl Penalties {
-    pub(crate) fn new(config: Penalty, capacity: usize) -> Penalties {
+    /// `deadline`: the limiter's, which bounds both a block's write and a decision.
+    pub(crate) fn new(config: Penalty, capacity: usize, deadline: Duration) -> Penalties {
         Penalties {
             config,
+            straggling: micros(deadline).saturating_mul(2),
             records: Mutex::new(HashMap::new()),
             capacity: capacity.max(1),
         }
@@ -117,10 +142,12 @@ impl Penalties {
     /// Forget the records that can no longer lead to a block or a longer one: a key never
     /// blocked once its window has passed, a blocked one once it is forgiven. If that frees
     /// nothing (a spray of keys, each refused once), forget the eighth furthest from a block:
-    /// never blocked before the others, then the fewest denials, then the windows that started
-    /// first. A full box must go on counting new keys, or a spray would switch it off for a
-    /// day; and the spray's keys go before a key refused again and again (forgetting the
-    /// oldest windows first forgot exactly that key, the one nearest its block).
+    /// never blocked before the others, then the fewest denials as the box counts them (the
+    /// window before weighing in), then the windows that started first. A full box must go on
+    /// counting new keys, or a spray would switch it off for a day; and the spray's keys go
+    /// before a key refused again and again (forgetting the oldest windows first forgot
+    /// exactly that key, the one nearest its block; ranking by the current window alone forgot
+    /// it just after its window rolled on).
     fn make_room(&self, records: &mut HashMap<Key, Record>, now: u64) {
         let c = &self.config;
         let (within, forgive) = (micros(c.within), micros(c.forgive_after));
@@ -139,7 +166,7 @@ impl Penalties {
         let standing = |r: &Record| {
             (
                 r.blocks > 0 || r.blocked_until > now,
-                r.denials,
+                r.weight(now, within),
                 r.window_start,
             )
         };
@@ -183,13 +210,23 @@ impl Penalties {
             denials: 0,
             previous: 0,
             blocks: 0,
+            blocked_at: 0,
             blocked_until: 0,
             blocked_before: 0,
         });
-        if now < r.blocked_until {
-            return None; // refused by its block: that is the penalty already
+        // Refusals by the block itself never come here (they are a listing's). A refusal by
+        // quota while the record says blocked is one decided before the block was written, or,
+        // once those have all been answered, the sign that the block is gone (evicted from a
+        // full memory store, lost in a failover, lifted from another instance): the key is
+        // counted again, and its next block is the next in its run.
+        if now < r.blocked_until && now.saturating_sub(r.blocked_at) < self.straggling {
+            return None;
         }
         let within = micros(c.within);
+        if now < r.window_start {
+            // Counted again before its block's end: a window from now.
+            r.window_start = now;
+        }
         let elapsed = now.saturating_sub(r.window_start);
         if elapsed >= within {
             // The next window, right after this one (which weighs on it), or, after a quiet
@@ -202,10 +239,7 @@ impl Penalties {
             r.denials = 0;
         }
         r.denials = r.denials.saturating_add(1);
-        // The window before, in the part of it still within `within` of now (rounded down).
-        let left = within - now.saturating_sub(r.window_start).min(within);
-        let fading = u128::from(r.previous) * u128::from(left) / u128::from(within.max(1));
-        if u128::from(r.denials) + fading < u128::from(c.denials) {
+        if r.weight(now, within) < u128::from(c.denials) * u128::from(within) {
             return None;
         }
         if r.blocks > 0 && now.saturating_sub(r.blocked_until) >= micros(c.forgive_after) {
@@ -215,6 +249,7 @@ impl Penalties {
         let block = c.block.saturating_mul(factor).min(c.max_block);
         r.blocks = r.blocks.saturating_add(1);
         r.blocked_before = r.blocked_until;
+        r.blocked_at = now;
         r.blocked_until = now.saturating_add(micros(block));
         r.denials = 0;
         r.previous = 0;
@@ -236,6 +271,7 @@ mod tests {
                 .max_block(Duration::from_secs(200))
                 .forgive_after(Duration::from_secs(1000)),
             100,
+            Duration::from_millis(50),
         );
         let k = Key::new("k");
         let mut now = 0;
@@ -244,8 +280,8 @@ mod tests {
             assert_eq!(p.denied(&k, now), None);
             assert_eq!(p.denied(&k, now + S), None);
             let block = p.denied(&k, now + 2 * S).unwrap();
-            // Refused while blocked: no new count.
-            assert_eq!(p.denied(&k, now + 3 * S), None);
+            // A refusal by quota decided before the block was written: no new count.
+            assert_eq!(p.denied(&k, now + 2 * S + 1), None);
             blocks.push(block.as_secs());
             now += 2 * S + block.as_secs() * S;
         }
@@ -272,6 +308,7 @@ mod tests {
         let p = Penalties::new(
             Penalty::new(20, Duration::from_secs(60), Duration::from_secs(60)),
             100,
+            Duration::from_millis(50),
         );
         let k = Key::new("k");
         assert_eq!(p.denied(&k, 0), None);
@@ -306,6 +343,7 @@ mod tests {
         let p = Penalties::new(
             Penalty::new(1, Duration::from_secs(10), Duration::from_secs(60)),
             100,
+            Duration::from_millis(50),
         );
         let k = Key::new("k");
         let t0 = 1_900_000_000 * S;
@@ -322,6 +360,7 @@ mod tests {
         let p = Penalties::new(
             Penalty::new(3, Duration::from_secs(10), Duration::from_secs(60)),
             100,
+            Duration::from_millis(50),
         );
         let repeat = Key::new("repeat");
         for t in [0, 1, 2] {
@@ -364,6 +403,7 @@ mod tests {
         let p = Penalties::new(
             Penalty::new(3, Duration::from_secs(60), Duration::from_secs(60)),
             100,
+            Duration::from_millis(50),
         );
         let offender = Key::new("offender");
         assert_eq!(p.denied(&offender, 0), None);
@@ -373,6 +413,66 @@ mod tests {
         }
         assert!(p.records.lock().len() <= 100);
         assert_eq!(p.denied(&offender, 2000), Some(Duration::from_secs(60)));
+    }
+
+    /// The same, with the offender's refusals on both sides of its window's end: rolled on,
+    /// its record counted one refusal in the current window, as each of the spray's keys did,
+    /// and went first as the oldest of them (ranked by the current window alone).
+    #[test]
+    fn a_spray_never_forgets_the_key_nearest_its_block_across_its_windows_end() {
+        let p = Penalties::new(
+            Penalty::new(3, Duration::from_secs(60), Duration::from_secs(60)),
+            100,
+            Duration::from_millis(50),
+        );
+        let offender = Key::new("offender");
+        assert_eq!(p.denied(&offender, 0), None);
+        assert_eq!(p.denied(&offender, 1), None);
+        // 1 + 2 × (60 s − 1 µs) / 60 s, rounded down: 2 of 3.
+        assert_eq!(p.denied(&offender, 60 * S + 1), None);
+        for i in 0..1000u64 {
+            assert_eq!(p.denied(&Key::new(i.to_be_bytes()), 60 * S + 2 + i), None);
+        }
+        assert!(p.records.lock().len() <= 100);
+        assert_eq!(
+            p.denied(&offender, 60 * S + 2000),
+            Some(Duration::from_secs(60))
+        );
+    }
+
+    /// A key refused by quota while its record says blocked: at first a refusal decided before
+    /// the block was written (not counted), later the sign that the block is gone (evicted,
+    /// lost, lifted elsewhere). Then the key is counted again, in a window of its own, and
+    /// earns the next block of its run (before, nothing counted until the old block's end).
+    #[test]
+    fn a_key_refused_by_quota_during_its_block_is_counted_again() {
+        let p = Penalties::new(
+            Penalty::new(3, Duration::from_secs(10), Duration::from_secs(60)),
+            100,
+            Duration::from_millis(50),
+        );
+        let k = Key::new("k");
+        let t0 = 1_000 * S;
+        p.denied(&k, t0);
+        p.denied(&k, t0);
+        assert_eq!(p.denied(&k, t0), Some(Duration::from_secs(60)));
+        // Stragglers: within twice the deadline.
+        for _ in 0..5 {
+            assert_eq!(p.denied(&k, t0 + 99_000), None);
+        }
+        // The block is gone 5 s in: three refusals within 10 s are the next block.
+        let later = t0 + 5 * S;
+        assert_eq!(p.denied(&k, later), None);
+        assert_eq!(p.denied(&k, later + S), None);
+        assert_eq!(p.denied(&k, later + 2 * S), Some(Duration::from_secs(120)));
+        // Refusals spread wider than `within` during a block never add up.
+        let spread = Key::new("spread");
+        p.denied(&spread, t0);
+        p.denied(&spread, t0);
+        assert_eq!(p.denied(&spread, t0), Some(Duration::from_secs(60)));
+        for i in 1..=5 {
+            assert_eq!(p.denied(&spread, t0 + i * 11 * S), None, "{i}");
+        }
     }
 
     #[test]
