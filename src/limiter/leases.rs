@@ -880,6 +880,34 @@ mod tests {
         );
     }
 
+    /// A denial remembered for a cost of 5, then a block leased for a request of cost 1 (other
+    /// instances gave permits back meanwhile): the next request of cost 5 is admitted from the
+    /// block. It was refused by the remembered denial while the process held 9 permits.
+    #[tokio::test(start_paused = true)]
+    async fn permits_leased_are_spent_before_a_remembered_denial() {
+        let (leased, plain, _) = fleet(LeaseConfig::fixed(10));
+        let key = Key::new("k");
+        let mut receipts = Vec::new();
+        for _ in 0..97 {
+            let (d, receipt) = plain.consume_with_receipt(&key, 1).await.unwrap();
+            assert!(d.allowed);
+            receipts.push(receipt.unwrap());
+        }
+        let refused = leased.consume(&key, 5).await.unwrap();
+        assert!(!refused.allowed, "3 left of 100: {refused:?}");
+        for receipt in receipts.drain(..20) {
+            plain.refund(receipt).await.unwrap();
+        }
+        let one = leased.consume(&key, 1).await.unwrap();
+        assert_eq!((one.allowed, one.source), (true, Source::Lease), "{one:?}");
+        let five = leased.consume(&key, 5).await.unwrap();
+        assert_eq!(
+            (five.allowed, five.source),
+            (true, Source::Lease),
+            "{five:?}"
+        );
+    }
+
     /// A block leased near the end of a 2 s window, then the quota changed to 1 s windows: the
     /// store moves the count into the new window and starts the next one afresh, so the old
     /// block's permits, spent into that next window, would pass both limits. They are not

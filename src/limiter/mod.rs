@@ -1143,7 +1143,13 @@ impl Inner {
         let deadline = deadline.unwrap_or_else(|| Deadline::after(self.deadline));
         if let ([check], Op::Consume) = (checks, op) {
             if let Some(index) = self.rule_index(check.rule) {
-                if let Some(d) = self.remembered(check, self.clock.now_us()) {
+                // Permits already leased first: spending them never passes the limit, and a
+                // denial remembered for this cost may predate the block.
+                let now = self.clock.now_us();
+                if let Some(d) = self.spend_leased(index, check, now) {
+                    return Ok(vec![d]);
+                }
+                if let Some(d) = self.remembered(check, now) {
                     return Ok(vec![d]);
                 }
                 if let Some(d) = self.decide_leased(index, check, deadline).await? {
@@ -1168,12 +1174,14 @@ impl Inner {
             return None;
         }
         let now = self.clock.now_us();
-        if let Some(denied) = self.remembered(check, now) {
-            // A refusal may earn a penalty, and blocking a key waits for the store: with a
-            // penalty box, `decide` answers it (it can wait), as it answers it first.
-            return self.penalties.is_none().then_some(denied);
+        // In `decide`'s order: permits already leased, then a remembered denial.
+        if let Some(d) = self.spend_leased(index, check, now) {
+            return Some(d);
         }
-        self.spend_leased(index, check, now)
+        let denied = self.remembered(check, now)?;
+        // A refusal may earn a penalty, and blocking a key waits for the store: with a
+        // penalty box, `decide` answers it (it can wait).
+        self.penalties.is_none().then_some(denied)
     }
 
     /// A remembered denial of this single-rule consume at `now`, if there is one.
