@@ -477,6 +477,95 @@ async fn a_hung_masters_slots_share_one_breaker() {
     );
 }
 
+/// A cluster unreachable from the store's start (every node hung): no slot map is known, and
+/// keys on 300 slots share one breaker, so after the first failures decisions follow the policy
+/// at once. With a breaker per slot, each slot paid its own three deadlines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_hung_from_the_start_opens_one_breaker() {
+    let cluster = RedisCluster::start();
+    for node in cluster.nodes() {
+        node.pause();
+    }
+    let store = cluster_store(&cluster).await;
+    let r = rule(1_000_000);
+    let limiter = Limiter::builder(store.clone())
+        .rule(r.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .unwrap();
+    let mut slots = std::collections::HashSet::new();
+    let keys: Vec<Key> = (0..100_000)
+        .map(|i| Key::new(format!("spray-{i}")))
+        .filter(|k| slots.insert(fleetlimit::store::redis::slot(&store.key_for(&r, k))))
+        .take(300)
+        .collect();
+    let (mut decisions, mut slow) = (0, 0);
+    let started = Instant::now();
+    for k in keys.iter().cycle() {
+        let elapsed = started.elapsed();
+        if elapsed > Duration::from_millis(1_500) {
+            break;
+        }
+        let asked = Instant::now();
+        let d = limiter.consume(k, 1).await.unwrap();
+        assert!(d.allowed && d.degraded, "fail open: {d:?}");
+        // The first half second lets the breaker open; then count.
+        if elapsed > Duration::from_millis(500) {
+            decisions += 1;
+            slow += u32::from(asked.elapsed() >= Duration::from_millis(40));
+        }
+    }
+    for node in cluster.nodes() {
+        node.resume();
+    }
+    assert!(decisions > 100, "{decisions} decisions counted");
+    assert!(
+        slow * 20 < decisions,
+        "{slow} of {decisions} decisions waited out the deadline"
+    );
+}
+
+/// A cluster whose masters have not loaded the script (a deploy with new Lua, a restart, a
+/// `SCRIPT FLUSH`) while one master hangs: every key on a live master is decided by its master.
+/// redis-rs loaded the script on every node, the hung one too, and waited for all of them, so
+/// the first decision on each live master waited out its deadline (a deadline a loaded machine
+/// cannot miss here: the hang is what is measured, not the machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_master_never_holds_up_another_masters_script_load() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    let r = rule(1_000_000);
+    let limiter = Limiter::builder(store.clone())
+        .rule(r.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let hung = 0;
+    let live: Vec<Key> = (0..1_000)
+        .map(|i| Key::new(format!("live-{i}")))
+        .filter(|k| {
+            let slot = fleetlimit::store::redis::slot(&store.key_for(&r, k));
+            cluster.node_for_slot(slot) != hung
+        })
+        .take(10)
+        .collect();
+    assert_eq!(live.len(), 10);
+    for node in cluster.nodes() {
+        node.cmd(&["SCRIPT", "FLUSH"]).unwrap();
+    }
+    cluster.nodes()[hung].pause();
+    let mut decisions = Vec::new();
+    for key in &live {
+        decisions.push(limiter.consume(key, 1).await.unwrap());
+    }
+    cluster.nodes()[hung].resume();
+    assert!(
+        decisions.iter().all(|d| d.allowed && !d.degraded),
+        "live masters' keys decided by their masters: {decisions:?}"
+    );
+}
+
 /// Per account AND per address on a cluster, the two keys on different masters, failing open.
 /// The address's master dies: the account's exhausted quota, on a live master, still refuses
 /// (whichever check's master is asked first), instead of the policy admitting the request.

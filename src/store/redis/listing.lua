@@ -9,6 +9,11 @@
 -- Stored: 'allow', 'deny', or the block's end in µs (expiring with it).
 -- Returns the listing in force after the call: {'none' | 'allow' | 'deny' | 'block', µs left},
 -- or {'penalty', µs left} for a penalty this call set.
+-- A script that reads TIME and then writes needs its effects replicated: the default since
+-- Redis 5.0, but 5.0 to 6.2 can be configured otherwise (`lua-replicate-commands no`), which
+-- would refuse every write here. Asked for explicitly (a no-op from Redis 7.0 on).
+redis.replicate_commands()
+
 local now = tonumber(ARGV[2])
 if now == nil then
   local t = redis.call('TIME')

@@ -305,11 +305,17 @@ impl Masters {
     const MAX: usize = 255;
     const UNKNOWN: u8 = u8::MAX;
 
-    /// The breaker of `slot`: its master's, or one of its own while its master is unknown.
+    /// The breaker of every slot before any map is learnt (no master has answered yet).
+    const NO_MAP: usize = Self::MAX + 16_384;
+
+    /// The breaker of `slot`: its master's; one of its own while a learnt map names no master
+    /// for it; one for them all before any map is learnt (a breaker per slot then let a
+    /// cluster unreachable from the start cost nearly every decision its whole deadline).
     fn breaker(&self, slot: u16) -> usize {
         match self.of_slot.load().get(usize::from(slot)) {
             Some(&master) if master != Self::UNKNOWN => usize::from(master),
-            _ => Self::MAX + usize::from(slot),
+            Some(_) => Self::MAX + usize::from(slot),
+            None => Self::NO_MAP,
         }
     }
 
@@ -1609,11 +1615,20 @@ impl Inner {
             Ready::Cluster(used) => {
                 let mut conn = (*used).clone();
                 let slot = keys.first().map_or(0, |k| slot(k));
-                let mut unanswered = Unanswered(Some((self, slot)));
-                let result = invocation.invoke_async::<Vec<i64>>(&mut conn).await;
-                unanswered.0 = None;
                 let hash = self.script.get_hash();
                 let again = |conn, node, asking| run_on(conn, node, asking, hash, &keys, &args);
+                let master = redis::cluster_routing::SingleNodeRoutingInfo::SpecificNode(
+                    redis::cluster_routing::Route::new(
+                        slot,
+                        redis::cluster_routing::SlotAddr::Master,
+                    ),
+                );
+                // To the slot's master alone, the script's text included when it has not loaded
+                // it: redis-rs loads a script on every node, and one hung node then held up
+                // every decision on the live ones (and opened their breakers).
+                let mut unanswered = Unanswered(Some((self, slot)));
+                let result = again(conn.clone(), master.clone(), false).await;
+                unanswered.0 = None;
                 // While a slot migrates, Redis refuses a call on several keys of which some
                 // have moved and some have not (TRYAGAIN) until the migration ends, and the
                 // keys after the states (a listing key, a refund's once key) almost never exist,
@@ -1641,13 +1656,7 @@ impl Inner {
                     );
                     let again =
                         |conn, node, asking| run_on(conn, node, asking, hash, states, &args);
-                    let route = redis::cluster_routing::SingleNodeRoutingInfo::SpecificNode(
-                        redis::cluster_routing::Route::new(
-                            slot,
-                            redis::cluster_routing::SlotAddr::Master,
-                        ),
-                    );
-                    let first = again(conn.clone(), route, false).await;
+                    let first = again(conn.clone(), master, false).await;
                     result =
                         follow_redirections(&mut conn, masters, slot, false, first, again).await;
                 }
@@ -2133,8 +2142,9 @@ impl Store for RedisStore {
 
     fn failure_domains(&self) -> usize {
         if self.is_cluster() {
-            // A breaker per master, and one per slot for slots whose master is not known yet.
-            Masters::MAX + 16_384
+            // A breaker per master, one per slot for slots whose master is not known, and one
+            // for every slot before any map is learnt.
+            Masters::NO_MAP + 1
         } else {
             1
         }

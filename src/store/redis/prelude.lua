@@ -1,6 +1,11 @@
 -- fleetlimit: shared helpers for every algorithm. Numbers are doubles: every value a quota
 -- allows stays below 2^53, where integer arithmetic, floor(a / b) and ceil(a / b) are exact.
 
+-- A script that reads TIME and then writes needs its effects replicated: the default since
+-- Redis 5.0, but 5.0 to 6.2 can be configured otherwise (`lua-replicate-commands no`), which
+-- would refuse every write here. Asked for explicitly (a no-op from Redis 7.0 on).
+redis.replicate_commands()
+
 local function ceil_div(a, b)
   return math.ceil(a / b)
 end

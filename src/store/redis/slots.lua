@@ -6,6 +6,12 @@
 -- ARGV[3]: the slot's id. ARGV[4]: the limit. ARGV[5]: how long a slot lives unless renewed (µs).
 -- A slot whose holder died (no renewal) expires by itself: expired slots are dropped first.
 -- Returns {1 if acquired / renewed (0: held again, lost) / released, slots held after the call}.
+
+-- A script that reads TIME and then writes needs its effects replicated: the default since
+-- Redis 5.0, but 5.0 to 6.2 can be configured otherwise (`lua-replicate-commands no`), which
+-- would refuse every write here. Asked for explicitly (a no-op from Redis 7.0 on).
+redis.replicate_commands()
+
 local now = tonumber(ARGV[2])
 if now == nil then
   local t = redis.call('TIME')
