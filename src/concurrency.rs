@@ -38,9 +38,12 @@ use tower_service::Service;
 
 use crate::key::{KeyExtractor, PeerIp};
 use crate::layer::ResponseBody;
-use crate::store::{SlotOp, Store};
+use crate::limiter::breaker::Breakers;
+use crate::limiter::policy::Deadline;
+use crate::store::{Check, SlotOp, Store};
 use crate::{
-    ConfigError, InfallibleStore, Key, MemoryStore, OnStoreError, PolicyUnset, StoreError,
+    BreakerConfig, ConfigError, InfallibleStore, Key, MemoryStore, OnStoreError, PolicyUnset, Rule,
+    StoreError,
 };
 
 /// How long a slot lives unless its holder renews it: the longest a killed process's slots
@@ -83,11 +86,18 @@ enum Fallback {
 struct Inner {
     store: Arc<dyn Store>,
     name: Arc<str>,
+    /// The name as a rule: which failure domain (cluster master) a key's slots live in.
+    rule: Rule,
     limit: u64,
     ttl: Duration,
     deadline: Duration,
     /// `None` for a store that cannot fail.
     fallback: Option<Fallback>,
+    /// A breaker per failure domain, as the rate limiter's: while one is open, acquisitions
+    /// follow the outage policy at once instead of each waiting out its deadline.
+    breakers: Breakers,
+    /// The breakers' clock (Tokio's, so that paused time drives it in tests).
+    epoch: tokio::time::Instant,
     /// An outage's start is said at most once in a while (a store failing some calls and
     /// answering others, a cluster master down under mixed traffic, would say it per request).
     said: crate::limiter::telemetry::Throttled,
@@ -96,6 +106,23 @@ struct Inner {
 }
 
 impl Inner {
+    /// Microseconds on the breakers' clock (from 1).
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1)
+    }
+
+    /// The failure domain of `key`'s slots.
+    fn domain(&self, key: &Key) -> usize {
+        let check = Check {
+            rule: &self.rule,
+            key,
+            cost: 1,
+        };
+        self.store.failure_domain(std::slice::from_ref(&check))
+    }
+
     /// The store answered: an outage, if there was one, is over.
     fn answered(&self) {
         if self.said_outage.load(Ordering::Relaxed)
@@ -134,6 +161,7 @@ pub struct ConcurrencyLimiterBuilder<S, P = PolicyUnset> {
     limit: u64,
     ttl: Duration,
     deadline: Duration,
+    breaker: BreakerConfig,
     policy: Option<OnStoreError>,
     _policy: PhantomData<P>,
 }
@@ -148,6 +176,7 @@ impl ConcurrencyLimiter {
             limit,
             ttl: DEFAULT_SLOT_TTL,
             deadline: crate::DEFAULT_DEADLINE,
+            breaker: BreakerConfig::default(),
             policy: None,
             _policy: PhantomData,
         }
@@ -192,26 +221,42 @@ impl ConcurrencyLimiter {
         }
         // Until the store's answer is in, the call may have taken the slot: if the deadline
         // passes, or this future is dropped (the client went away, an outer timeout), the slot
-        // is given back.
+        // is given back. An open breaker sends nothing, and there is nothing to give back.
+        let sent_at = AtomicBool::new(false);
         let mut pending = Pending {
             inner,
             key,
             id,
-            armed: true,
+            armed: &sent_at,
         };
         let sent = tokio::time::Instant::now();
-        let call = inner
-            .store
-            .slots(SlotOp::Acquire, &inner.name, key, id, limit, inner.ttl);
+        let call = async {
+            sent_at.store(true, Ordering::Relaxed);
+            inner
+                .store
+                .slots(SlotOp::Acquire, &inner.name, key, id, limit, inner.ttl)
+                .await
+        };
         let answer = match &inner.fallback {
             None => call.await,
-            Some(_) => tokio::time::timeout(inner.deadline, call)
-                .await
-                .unwrap_or(Err(StoreError::Timeout(inner.deadline))),
+            Some(_) => {
+                let deadline = Deadline::after(inner.deadline);
+                let domain = inner.domain(key);
+                let now = || inner.now_us();
+                inner
+                    .breakers
+                    .call(domain, &inner.name, now, deadline, call)
+                    .await
+                    .ok_or_else(|| {
+                        StoreError::Connection(
+                            "not answered (an open breaker, an error, or the deadline)".into(),
+                        )
+                    })
+            }
         };
         match answer {
             Ok((true, _)) => {
-                pending.armed = false;
+                pending.disarm();
                 inner.answered();
                 // The local fallback counts it too: requests in flight on the store's slots
                 // when it stops answering are still in flight, and the local limit is this
@@ -232,7 +277,7 @@ impl ConcurrencyLimiter {
                 ))
             }
             Ok((false, in_flight)) => {
-                pending.armed = false;
+                pending.disarm();
                 inner.answered();
                 Acquired::Full { limit, in_flight }
             }
@@ -297,6 +342,15 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
         self
     }
 
+    /// When the circuit breaker opens and how long before it probes (default
+    /// [`BreakerConfig::default`]: after 3 failures in a row, for 250 ms). While it is open,
+    /// acquisitions follow the outage policy without asking the store; one per failure domain
+    /// (a cluster's master), as the rate limiter's.
+    pub fn breaker(mut self, config: BreakerConfig) -> Self {
+        self.breaker = config;
+        self
+    }
+
     fn build_inner(self) -> Result<ConcurrencyLimiter, ConfigError> {
         let invalid = |reason: &str| ConfigError::Invalid {
             setting: "concurrency limit",
@@ -311,7 +365,7 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
             ));
         }
         // The name appears in headers and keys: the rules' name syntax.
-        crate::Rule::new(&self.name, crate::Quota::per_second(1).build()?)?;
+        let rule = Rule::new(&self.name, crate::Quota::per_second(1).build()?)?;
         let fallback = match self.policy {
             None => None,
             Some(OnStoreError::FailOpen) => Some(Fallback::Open),
@@ -333,14 +387,18 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
                 limit: (self.limit / n).max(1),
             }),
         };
+        let breakers = Breakers::new(self.store.failure_domains(), self.breaker);
         Ok(ConcurrencyLimiter {
             inner: Arc::new(Inner {
                 store: Arc::new(self.store),
                 name: self.name.into(),
+                rule,
                 limit: self.limit,
                 ttl: self.ttl,
                 deadline: self.deadline,
                 fallback,
+                breakers,
+                epoch: tokio::time::Instant::now(),
                 said: Default::default(),
                 said_outage: AtomicBool::new(false),
             }),
@@ -360,6 +418,7 @@ impl<S: Store> ConcurrencyLimiterBuilder<S, PolicyUnset> {
             limit: self.limit,
             ttl: self.ttl,
             deadline: self.deadline,
+            breaker: self.breaker,
             policy: Some(policy),
             _policy: PhantomData,
         }
@@ -404,17 +463,24 @@ fn local_share(local: u64, share: u64, limit: u64) -> u64 {
 /// A slot in the local fallback lives until its holder drops it (which gives it back at once).
 const LOCAL_TTL: Duration = Duration::from_secs(u32::MAX as u64);
 
-/// An acquisition whose answer is not in: gives its slot back when dropped armed.
+/// An acquisition whose answer is not in: gives its slot back when dropped armed (once its
+/// call was sent, until the answer is in).
 struct Pending<'a> {
     inner: &'a Arc<Inner>,
     key: &'a Key,
     id: u64,
-    armed: bool,
+    armed: &'a AtomicBool,
+}
+
+impl Pending<'_> {
+    fn disarm(&mut self) {
+        self.armed.store(false, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        if self.armed {
+        if self.armed.load(Ordering::Relaxed) {
             release_later(self.inner.clone(), self.key.clone(), self.id);
         }
     }
@@ -443,8 +509,17 @@ fn release_later(limiter: Arc<Inner>, key: Key, id: u64) {
     }
 }
 
-/// Give slot `id` back; one that cannot be expires by itself.
+/// Give slot `id` back; one that cannot be expires by itself. Not while the key's breaker is
+/// open (the store is not answering: queued, the call would wait out the connection's own
+/// timeout), and never for longer than the slot's ttl (past it, the slot has expired).
 async fn release(limiter: &Inner, key: &Key, id: u64) {
+    if limiter
+        .breakers
+        .is_open(limiter.domain(key), limiter.now_us())
+    {
+        tracing::debug!("fleetlimit: a slot not given back (breaker open); it expires by itself");
+        return;
+    }
     let call = limiter.store.slots(
         SlotOp::Release,
         &limiter.name,
@@ -453,7 +528,10 @@ async fn release(limiter: &Inner, key: &Key, id: u64) {
         limiter.limit,
         limiter.ttl,
     );
-    if let Err(error) = call.await {
+    let answer = tokio::time::timeout(limiter.ttl, call)
+        .await
+        .unwrap_or(Err(StoreError::Timeout(limiter.ttl)));
+    if let Err(error) = answer {
         tracing::debug!(%error, "fleetlimit: a slot could not be given back; it expires by itself");
     }
 }
@@ -886,6 +964,42 @@ mod tests {
             .build()
             .unwrap();
         (limiter, store)
+    }
+
+    /// A store that takes the slot but never answers in time, at the default deadline and
+    /// breaker: three acquisitions wait out the deadline, then the breaker opens and the next
+    /// ones follow the policy at once, until its cool-down lets one probe through. Each used to
+    /// wait its whole deadline, and leave a release behind it, for the whole outage.
+    #[tokio::test(start_paused = true)]
+    async fn an_open_breaker_answers_acquisitions_at_once() {
+        let store = MemoryStore::builder()
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let link = crate::store::testing::Link {
+            store: store.clone(),
+            delay: Duration::ZERO,
+            reply_after: Duration::from_secs(10),
+            lost_renewals: 0.into(),
+        };
+        let limiter = ConcurrencyLimiter::builder(link, "in-flight", 100)
+            .on_store_error(OnStoreError::fail_closed())
+            .build()
+            .unwrap();
+        let key = Key::new("tenant");
+        let mut waits = Vec::new();
+        for _ in 0..10 {
+            let start = tokio::time::Instant::now();
+            let answer = limiter.acquire(&key).await;
+            assert!(matches!(answer, Acquired::Unavailable { .. }), "{answer:?}");
+            waits.push(start.elapsed().as_millis());
+        }
+        assert_eq!(waits, [50, 50, 50, 0, 0, 0, 0, 0, 0, 0]);
+        // The cool-down over, one probe goes to the store.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let start = tokio::time::Instant::now();
+        limiter.acquire(&key).await;
+        assert_eq!(start.elapsed(), Duration::from_millis(50));
     }
 
     /// A slow answer to an acquisition: the slot's ttl ran from when the store took it, and

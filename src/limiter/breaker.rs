@@ -309,6 +309,11 @@ impl Breakers {
         }
     }
 
+    /// Whether `domain`'s breaker refuses calls at `now`.
+    pub(crate) fn is_open(&self, domain: usize, now: u64) -> bool {
+        self.breakers[domain % self.breakers.len()].state(now) == BreakerState::Open
+    }
+
     /// Store calls that failed or missed the deadline.
     pub(crate) fn store_errors(&self) -> u64 {
         self.store_errors.load(Ordering::Relaxed)

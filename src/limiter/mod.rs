@@ -18,7 +18,7 @@ use crate::error::Error;
 use crate::store::{Check, Listing, Op, Refund, Store};
 use crate::{Clock, ConfigError, Decision, Key, Quota, Rule, StoreError, Taken};
 
-mod breaker;
+pub(crate) mod breaker;
 mod builder;
 mod denials;
 mod domains;
@@ -27,7 +27,7 @@ mod lease_config;
 mod leases;
 mod listings;
 mod penalty;
-mod policy;
+pub(crate) mod policy;
 mod rate;
 pub(crate) mod telemetry;
 pub(crate) mod waiting;
