@@ -138,8 +138,9 @@ impl Drop for Unclaimed {
             return;
         }
         let taken = lease.taken.part(lease.permits);
+        let returning = Returning::new(inner);
         runtime.spawn(async move {
-            inner.return_permits(&rule, &key, taken, true).await;
+            returning.0.return_permits(&rule, &key, taken, true).await;
         });
     }
 }
@@ -198,6 +199,31 @@ pub(crate) struct Leases {
     lease_calls: AtomicU64,
     /// Counts the limiter's quota changes ([`Leases::quotas_changed`]).
     generation: AtomicU64,
+    /// Give-backs under way besides `release_all`'s own (a sweep's, a replaced block's, an
+    /// unclaimed lease's), which `release_all` waits for: a sweep that had taken quiet keys
+    /// out of the map was cut short by the runtime's shutdown, their blocks still counted.
+    returning: std::sync::atomic::AtomicUsize,
+    returned: tokio::sync::Notify,
+}
+
+/// A give-back under way, counted in [`Leases`]'s `returning` until dropped (taken before the
+/// work starts, so a shutdown cannot look between the two).
+struct Returning(Arc<Inner>);
+
+impl Returning {
+    fn new(inner: Arc<Inner>) -> Returning {
+        inner.leases.returning.fetch_add(1, Ordering::SeqCst);
+        Returning(inner)
+    }
+}
+
+impl Drop for Returning {
+    fn drop(&mut self) {
+        let leases = &self.0.leases;
+        if leases.returning.fetch_sub(1, Ordering::SeqCst) == 1 {
+            leases.returned.notify_waiters();
+        }
+    }
 }
 
 impl Leases {
@@ -209,6 +235,21 @@ impl Leases {
             sweeper: AtomicBool::new(false),
             lease_calls: AtomicU64::new(0),
             generation: AtomicU64::new(0),
+            returning: Default::default(),
+            returned: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Until no give-back counted in `returning` is under way.
+    async fn all_returned(&self) {
+        loop {
+            let returned = self.returned.notified();
+            tokio::pin!(returned);
+            returned.as_mut().enable();
+            if self.returning.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            returned.await;
         }
     }
 
@@ -595,8 +636,9 @@ impl Inner {
             return;
         };
         let (rule, key) = (check.rule.clone(), check.key.clone());
+        let returning = Returning::new(me);
         runtime.spawn(async move {
-            me.return_permits(&rule, &key, taken, false).await;
+            returning.0.return_permits(&rule, &key, taken, false).await;
         });
     }
 
@@ -680,6 +722,9 @@ impl Inner {
         for ((index, key), slot) in slots.iter() {
             self.retire(*index, key, slot).await;
         }
+        // The blocks the sweeper or a background task is giving back go back too before this
+        // returns (each has a deadline of its own).
+        self.leases.all_returned().await;
     }
 
     /// Take a slot out of leased mode: wait for a refill in flight, then give its block back.
@@ -701,6 +746,8 @@ impl Inner {
     /// One pass of the sweeper at `now`: quiet keys leave leased mode, and expired blocks of
     /// busy keys give their unspent permits back.
     pub(super) async fn sweep_once(&self, now: u64) {
+        // Counted before the map is read: `release_all` waits for what this sweep gives back.
+        let _returning = self.me.upgrade().map(Returning::new);
         let slots = self.leases.slots.load_full();
         let mut quiet: Vec<(SlotKey, Arc<Slot>)> = Vec::new();
         for ((index, key), slot) in slots.iter() {
@@ -822,7 +869,7 @@ mod tests {
     }
 
     /// [`fleet`] with blocks of 10, on a store 2 ms away (tokio's paused time).
-    fn leasing_two_ms_away() -> (Limiter, Limiter) {
+    fn leasing_two_ms_away() -> (Limiter, Limiter, ManualClock) {
         let clock = ManualClock::new(T0);
         let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
         let link = crate::store::testing::Link {
@@ -835,11 +882,11 @@ mod tests {
             .rule(hot_rule())
             .on_store_error(OnStoreError::fail_closed())
             .lease("hot", LeaseConfig::fixed(10))
-            .clock(clock)
+            .clock(clock.clone())
             .build()
             .unwrap();
         let plain = Limiter::builder(store).rule(hot_rule()).build().unwrap();
-        (leased, plain)
+        (leased, plain, clock)
     }
 
     /// A limiter leasing `rule` (named "hot") on `store` and `clock`, failing closed.
@@ -1057,7 +1104,7 @@ mod tests {
     /// permits are the store's again, not lost until the window ends.
     #[tokio::test(start_paused = true)]
     async fn a_request_dropped_during_the_split_give_back_loses_no_permit() {
-        let (leased, plain) = leasing_two_ms_away();
+        let (leased, plain, _) = leasing_two_ms_away();
         let key = Key::new("k");
         for _ in 0..88 {
             assert!(plain.consume(&key, 1).await.unwrap().allowed);
@@ -1076,9 +1123,45 @@ mod tests {
 
     /// A shutdown that stops waiting for `release_leases` (its own timeout) still gives every
     /// block back: the give-backs go on without it.
+    /// A shutdown's `release_leases` while the sweeper gives quiet keys' blocks back: those keys
+    /// are out of the map already, one give-back at a time, and the runtime's end cut the
+    /// sweep short. `release_leases` now returns once the sweep has given them all back.
+    #[test]
+    fn release_leases_waits_for_the_sweepers_give_backs() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        let (leased, plain, clock) = runtime.block_on(async { leasing_two_ms_away() });
+        let keys = [Key::new("a"), Key::new("b"), Key::new("c")];
+        runtime.block_on(async {
+            for key in &keys {
+                assert_eq!(leased.consume(key, 1).await.unwrap().source, Source::Lease);
+            }
+            clock.advance(Duration::from_millis(200));
+            let inner = leased.inner.clone();
+            let now = clock.now_us();
+            tokio::spawn(async move { inner.sweep_once(now).await });
+            while !leased.inner.leases.slots.load().is_empty() {
+                tokio::task::yield_now().await;
+            }
+            leased.release_leases().await;
+        });
+        drop(runtime);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        for key in &keys {
+            let remaining = runtime.block_on(plain.peek(key)).unwrap().remaining;
+            assert_eq!(remaining, 99, "{key:?}");
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn release_leases_given_up_on_still_gives_every_block_back() {
-        let (leased, plain) = leasing_two_ms_away();
+        let (leased, plain, _) = leasing_two_ms_away();
         let keys = [Key::new("a"), Key::new("b")];
         for key in &keys {
             assert!(leased.consume(key, 1).await.unwrap().allowed);
@@ -1130,7 +1213,7 @@ mod tests {
     /// asking for a block of its own.
     #[tokio::test(start_paused = true)]
     async fn one_refill_per_key_in_flight() {
-        let (leased, plain) = leasing_two_ms_away();
+        let (leased, plain, _) = leasing_two_ms_away();
         let key = Key::new("k");
         let requests: Vec<_> = (0..10)
             .map(|_| {
