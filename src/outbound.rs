@@ -35,10 +35,43 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The fleet's quota for the destination was not available within the wait budget.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the quota for this destination is not available within the wait budget (next in {retry_after:?})")]
+#[error("{}", describe(self))]
 pub struct NotReady {
     /// When a permit is expected, as far as is known (others may be ahead).
     pub retry_after: Option<Duration>,
+    /// Why: the quota, a pause, or a store that could not decide.
+    pub reason: NotReadyReason,
+}
+
+/// Why an outbound call was not made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NotReadyReason {
+    /// The fleet's quota for the destination has no permit within the wait budget.
+    Quota,
+    /// The destination pushed back, and its pause for the fleet ends past the wait budget.
+    Paused,
+    /// The limiter's store could not decide, and its outage policy refused (or the limiter
+    /// failed): an outage of ours, not the destination's quota.
+    StoreUnavailable,
+}
+
+fn describe(not_ready: &NotReady) -> String {
+    let what = match not_ready.reason {
+        NotReadyReason::Quota => {
+            "the quota for this destination is not available within the wait budget"
+        }
+        NotReadyReason::Paused => {
+            "this destination is paused for the fleet (it pushed back) past the wait budget"
+        }
+        NotReadyReason::StoreUnavailable => {
+            "the rate limiter's store cannot decide, and its outage policy refuses"
+        }
+    };
+    match not_ready.retry_after {
+        Some(wait) => format!("{what}; try again in {wait:?}"),
+        None => what.to_owned(),
+    }
 }
 
 type KeyFn = dyn Fn(&http::request::Parts) -> Key + Send + Sync;
@@ -184,6 +217,7 @@ impl OutboundLayer {
                 if until > give_up {
                     return Err(NotReady {
                         retry_after: Some(paused),
+                        reason: NotReadyReason::Paused,
                     });
                 }
                 tokio::time::sleep_until(until).await;
@@ -194,9 +228,20 @@ impl OutboundLayer {
                 Ok(d) => {
                     return Err(NotReady {
                         retry_after: d.retry_after,
+                        reason: if d.degraded {
+                            NotReadyReason::StoreUnavailable
+                        } else {
+                            NotReadyReason::Quota
+                        },
                     })
                 }
-                Err(_) => return Err(NotReady { retry_after: None }),
+                Err(error) => {
+                    tracing::warn!(%error, "fleetlimit: an outbound call's quota could not be decided");
+                    return Err(NotReady {
+                        retry_after: None,
+                        reason: NotReadyReason::StoreUnavailable,
+                    });
+                }
             }
             if self.limiter.paused_for(key).await.is_none() {
                 return Ok(());
@@ -379,6 +424,65 @@ mod tests {
             let got = pushback(status, &headers(pairs), now);
             assert_eq!(got, expected.map(Duration::from_secs), "{status} {pairs:?}");
         }
+    }
+
+    /// A store that cannot decide, failing closed: the caller is told at once, and told it is
+    /// the store, not the destination's quota (the policy's wait is no permit's wait: sleeping
+    /// it out and asking again would hold every call for the whole budget).
+    #[tokio::test(start_paused = true)]
+    async fn a_store_that_cannot_decide_is_said_so_at_once() {
+        use crate::store::testing::{Link, TokioClock};
+        use crate::{Algorithm, MemoryStore, OnStoreError, Quota, Rule};
+        let store = MemoryStore::builder()
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let link = Link {
+            store,
+            delay: Duration::ZERO,
+            reply_after: Duration::from_secs(10),
+            lost_renewals: 0.into(),
+        };
+        let quota = Quota::per_second(10)
+            .algorithm(Algorithm::Gcra)
+            .build()
+            .unwrap();
+        let limiter = Limiter::builder(link)
+            .rule(Rule::new("partner", quota).unwrap())
+            .on_store_error(OnStoreError::fail_closed())
+            .build()
+            .unwrap();
+        let layer = OutboundLayer::new(limiter).max_wait(Duration::from_secs(5));
+        let start = tokio::time::Instant::now();
+        let refused = layer.turn(&Key::new("p.example")).await.unwrap_err();
+        assert_eq!(
+            start.elapsed(),
+            crate::DEFAULT_DEADLINE,
+            "one deadline, no wait"
+        );
+        assert_eq!(refused.reason, NotReadyReason::StoreUnavailable);
+        let said = refused.to_string();
+        assert!(said.contains("store") && !said.contains("Some("), "{said}");
+    }
+
+    #[test]
+    fn not_ready_says_why_in_words() {
+        let quota = NotReady {
+            retry_after: Some(Duration::from_millis(1500)),
+            reason: NotReadyReason::Quota,
+        };
+        assert_eq!(
+            quota.to_string(),
+            "the quota for this destination is not available within the wait budget; try again in 1.5s"
+        );
+        let paused = NotReady {
+            retry_after: None,
+            reason: NotReadyReason::Paused,
+        };
+        assert!(
+            paused.to_string().ends_with("past the wait budget"),
+            "{paused}"
+        );
     }
 
     #[test]
