@@ -465,6 +465,64 @@ mod tests {
         assert!(said.contains("store") && !said.contains("Some("), "{said}");
     }
 
+    /// A caller that gets its permit after another instance was told to stop forfeits it:
+    /// nobody calls during the pause. One call at 0; a second queued for the next permit (at
+    /// 100 ms, 10/s); a pause of 1 s set at 50 ms. The second call goes at 1,050 ms (it went at
+    /// 100 ms without the check after the permit).
+    #[tokio::test(start_paused = true)]
+    async fn a_permit_granted_during_a_pause_is_forfeited() {
+        use crate::store::testing::TokioClock;
+        use crate::{Algorithm, MemoryStore, Quota, Rule};
+        use tower::{Service, ServiceExt};
+        let store = MemoryStore::builder()
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let quota = Quota::per_second(10)
+            .algorithm(Algorithm::Gcra)
+            .burst(1)
+            .build()
+            .unwrap();
+        let limiter = Limiter::builder(store)
+            .rule(Rule::new("partner", quota).unwrap())
+            .build()
+            .unwrap();
+        let start = tokio::time::Instant::now();
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let destination = {
+            let calls = calls.clone();
+            tower::service_fn(move |_: Request<()>| {
+                calls.lock().unwrap().push(start.elapsed());
+                async { Ok::<_, std::convert::Infallible>(Response::new(())) }
+            })
+        };
+        let client = OutboundLayer::new(limiter.clone())
+            .max_wait(Duration::from_secs(5))
+            .layer(destination);
+        let request = || Request::get("https://p.example/").body(()).unwrap();
+        let callers: Vec<_> = (0..2)
+            .map(|_| {
+                let mut client = client.clone();
+                let req = request();
+                tokio::spawn(async move { client.ready().await?.call(req).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        limiter
+            .pause_at_least(&Key::new("p.example"), Duration::from_secs(1))
+            .await
+            .unwrap();
+        for caller in callers {
+            caller.await.unwrap().unwrap();
+        }
+        let calls = calls.lock().unwrap().clone();
+        assert_eq!(
+            calls,
+            [Duration::ZERO, Duration::from_millis(1_050)],
+            "no call during the pause"
+        );
+    }
+
     #[test]
     fn not_ready_says_why_in_words() {
         let quota = NotReady {
