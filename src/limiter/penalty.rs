@@ -298,6 +298,37 @@ mod tests {
         assert_eq!(p.denied(&k, now), Some(Duration::from_secs(60)));
     }
 
+    /// At the defaults: each block within a day of the last twice as long, up to 64 times the
+    /// first; a day after the last block ends, the first length again.
+    #[test]
+    fn blocks_at_the_defaults_double_to_64_times_and_are_forgiven_after_a_day() {
+        let minute = Duration::from_secs(60);
+        let p = Penalties::new(Penalty::new(20, minute, minute), 100, crate::DEFAULT_DEADLINE);
+        let k = Key::new("k");
+        let mut now = 1_000 * S;
+        let mut blocks = Vec::new();
+        for _ in 0..9 {
+            for _ in 0..19 {
+                assert_eq!(p.denied(&k, now), None);
+            }
+            let block = p.denied(&k, now).unwrap();
+            blocks.push(block.as_secs() / 60);
+            now += block.as_secs() * S;
+        }
+        assert_eq!(blocks, [1, 2, 4, 8, 16, 32, 64, 64, 64]);
+        // A day less a second after the last block's end: still the longest.
+        now += 86_399 * S;
+        for _ in 0..19 {
+            p.denied(&k, now);
+        }
+        assert_eq!(p.denied(&k, now), Some(minute * 64));
+        now += 64 * 60 * S + 86_400 * S;
+        for _ in 0..19 {
+            p.denied(&k, now);
+        }
+        assert_eq!(p.denied(&k, now), Some(minute), "forgiven after a day");
+    }
+
     /// Refusals on both sides of a window's end add up: 20 within a minute, 1 at the start and
     /// 18 just before the end of the first window, then 2 just after it, is a block (counted
     /// per window alone, 37 refusals in 1.5 s earned none). Bursts a whole window apart still
