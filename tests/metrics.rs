@@ -183,7 +183,15 @@ async fn a_known_traffic_pattern_gives_exact_counts() {
                 .unwrap()
         }
     };
-    let cached = redis("m_cache", 1, OnStoreError::FailOpen).await;
+    // The limiter's clock stands still, so the remembered denial cannot age out of its 1 s
+    // between two calls, however slow the machine (the store's answers use Redis's clock).
+    let cached = Limiter::builder(RedisStore::connect(&url).await.unwrap())
+        .rule(rule("m_cache", 1))
+        .on_store_error(OnStoreError::FailOpen)
+        .deadline(Duration::from_millis(500))
+        .clock(fleetlimit::ManualClock::new(1_800_000_000_000_000))
+        .build()
+        .unwrap();
     consume(&cached, "k", 3).await;
     assert_eq!(decisions("m_cache", "allowed"), 1.0);
     assert_eq!(decisions("m_cache", "denied"), 1.0);
