@@ -303,7 +303,11 @@ mod tests {
     #[test]
     fn blocks_at_the_defaults_double_to_64_times_and_are_forgiven_after_a_day() {
         let minute = Duration::from_secs(60);
-        let p = Penalties::new(Penalty::new(20, minute, minute), 100, crate::DEFAULT_DEADLINE);
+        let p = Penalties::new(
+            Penalty::new(20, minute, minute),
+            100,
+            crate::DEFAULT_DEADLINE,
+        );
         let k = Key::new("k");
         let mut now = 1_000 * S;
         let mut blocks = Vec::new();
