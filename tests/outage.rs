@@ -325,6 +325,75 @@ async fn a_slow_answer_within_a_long_deadline_is_the_stores() {
     assert!(d.allowed && !d.degraded, "{d:?}");
 }
 
+/// Until `limiter` decides `key` by the store again (within `bound`): how long that took.
+async fn until_decided_by_the_store(limiter: &Limiter, key: &Key, bound: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let d = limiter.consume(key, 1).await.unwrap();
+        if !d.degraded && d.source == Source::Store {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < bound,
+            "still decided by the policy after {bound:?}: {d:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A failover behind a stable address (a VIP, a DNS name, a proxy): the master the store is
+/// connected to turns replica, and the address now leads to the new master. The old
+/// connection answers `READONLY` to every script, forever: it is left, and the next call
+/// connects to the new master. At the defaults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_turned_replica_behind_one_address_is_left_for_the_new_one() {
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let address = |server: &RedisServer| server.addr().parse().unwrap();
+    let relay = support::relay::Relay::start(address(&old)).await;
+    let store = RedisStore::connect(&relay.url()).await.unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(1_000_000))
+        .on_store_error(OnStoreError::fail_closed())
+        .build()
+        .unwrap();
+    let key = Key::new("failover");
+    until_decided_by_the_store(&limiter, &key, Duration::from_secs(5)).await;
+    relay.point_at(address(&new));
+    old.cmd(&["REPLICAOF", "127.0.0.1", &new.port().to_string()])
+        .unwrap();
+    let d = limiter.consume(&key, 1).await.unwrap();
+    assert!(d.degraded, "the old master refuses the write: {d:?}");
+    until_decided_by_the_store(&limiter, &key, Duration::from_secs(2)).await;
+    let on_new = new.cmd(&["DBSIZE"]).unwrap().as_int().unwrap();
+    assert!(on_new > 0, "the state is written on the new master");
+}
+
+/// A half-open link (a partition, or a host gone without a reset): the connection stays
+/// open and nothing comes back, and the kernel would take many minutes to give up on it. A
+/// call abandoned at its deadline has the connection probed, and one that does not answer is
+/// replaced: decisions are the store's again within the probe's second. At the defaults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_connection_is_replaced() {
+    let server = RedisServer::start();
+    let relay = support::relay::Relay::start(server.addr().parse().unwrap()).await;
+    let store = RedisStore::connect(&relay.url()).await.unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(1_000_000))
+        .on_store_error(OnStoreError::fail_closed())
+        .build()
+        .unwrap();
+    let key = Key::new("half-open");
+    until_decided_by_the_store(&limiter, &key, Duration::from_secs(5)).await;
+    relay.cut_existing();
+    let d = limiter.consume(&key, 1).await.unwrap();
+    assert!(
+        d.degraded,
+        "nothing comes back on the cut connection: {d:?}"
+    );
+    let took = until_decided_by_the_store(&limiter, &key, Duration::from_secs(4)).await;
+    eprintln!("decided by the store again after {took:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_redis_is_used_again_and_limits_hold_from_its_state() {
     let mut server = RedisServer::start();

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod redis;
+pub mod relay;
 
 /// How many of `tries` consumes of one permit `limiter` admits for `key`.
 pub async fn admitted(limiter: &fleetlimit::Limiter, key: &fleetlimit::Key, tries: usize) -> usize {

@@ -13,6 +13,7 @@
 //! The scripts need Redis 5.0 or newer (script effects replication, which lets a script read
 //! `TIME` and then write); [`RedisStoreBuilder::connect`] checks the server's version.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -127,10 +128,13 @@ struct Inner {
 /// store can be built while Redis is away: until it answers, calls fail and the limiter's outage
 /// policy decides.
 enum Conn {
-    /// One multiplexed, pipelined connection that reconnects by itself.
+    /// One multiplexed, pipelined connection that reconnects by itself after an I/O error;
+    /// replaced when it may never see one (see [`Inner::on_single`]).
     Single {
         client: Box<redis::Client>,
         conn: Arc<Connector<ConnectionManager>>,
+        /// A probe of the connection is in flight (one at a time).
+        probing: Arc<AtomicBool>,
     },
     /// A cluster connection, made again (with a fresh slot map) after it fails, or in the
     /// background when a hung master's replica has taken over: a master that failed over
@@ -577,7 +581,8 @@ impl<C> Drop for EndsAttempt<C> {
 
 /// A connection ready for one call.
 enum Ready {
-    Single(ConnectionManager),
+    /// As the connector holds it: replaced if it turns out dead or a replica's.
+    Single(Arc<ConnectionManager>),
     /// As the connector holds it: a call that finds a node dead forgets this one, not a newer.
     Cluster(Arc<ClusterConnection>),
     /// Shared until it fails (a pool's, or Sentinel's master's): then forgotten.
@@ -766,6 +771,7 @@ impl RedisStoreBuilder {
         let store = self.finish(Conn::Single {
             client: Box::new(client),
             conn: Connector::new(),
+            probing: Default::default(),
         });
         store.try_first_connection().await?;
         Ok(store)
@@ -1611,7 +1617,11 @@ impl Inner {
         let mut invocation = self.script.prepare_invoke();
         invocation.key(&keys).arg(&args);
         let result = match self.connection().await? {
-            Ready::Single(mut conn) => invocation.invoke_async::<Vec<i64>>(&mut conn).await,
+            Ready::Single(used) => {
+                let mut conn = (*used).clone();
+                self.on_single(&used, invocation.invoke_async::<Vec<i64>>(&mut conn))
+                    .await
+            }
             Ready::Cluster(used) => {
                 let mut conn = (*used).clone();
                 let slot = keys.first().map_or(0, |k| slot(k));
@@ -1670,6 +1680,38 @@ impl Inner {
             }
         };
         result.map_err(store_error)
+    }
+
+    /// A call on the standalone connection. Its manager reconnects after an I/O error, but two
+    /// failures never give one:
+    /// - a master turned replica behind a stable address (a failover, a VIP or DNS name moved
+    ///   to the new master) answers `READONLY` to every script, for good: the next call
+    ///   connects afresh;
+    /// - a half-open link (a partition, a host gone without a reset) answers nothing, and the
+    ///   kernel takes minutes to give up on it. A call abandoned at its deadline cannot tell it
+    ///   from a slow server, so one `PING` goes in the background: a connection that does not
+    ///   answer it within [`PROBE_TIMEOUT`] is replaced (a slow server answers, and keeps its
+    ///   connection).
+    async fn on_single<T>(
+        &self,
+        used: &Arc<ConnectionManager>,
+        call: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> redis::RedisResult<T> {
+        let Conn::Single { conn, probing, .. } = &self.conn else {
+            return call.await;
+        };
+        let mut abandoned = ProbeOnDrop {
+            connector: conn,
+            used,
+            probing,
+            armed: true,
+        };
+        let result = call.await;
+        abandoned.armed = false;
+        if result.as_ref().is_err_and(|e| e.code() == Some("READONLY")) && conn.forget(used) {
+            tracing::warn!("fleetlimit: Redis answered READONLY (a failover?); connecting again");
+        }
+        result
     }
 
     /// A call on a shared connection. A call abandoned mid-way (its decision's deadline passed)
@@ -1732,7 +1774,10 @@ impl Inner {
         cmd: redis::Cmd,
     ) -> Result<redis::RedisResult<T>, StoreError> {
         Ok(match self.connection().await? {
-            Ready::Single(mut conn) => cmd.query_async(&mut conn).await,
+            Ready::Single(used) => {
+                let mut conn = (*used).clone();
+                self.on_single(&used, cmd.query_async(&mut conn)).await
+            }
             Ready::Cluster(used) => {
                 let mut conn = (*used).clone();
                 let slot = command_slot(&cmd);
@@ -1824,7 +1869,7 @@ impl Inner {
         let limit = self.connect_timeout;
         // The clients are cloned only to start an attempt, never on a call's path.
         match &self.conn {
-            Conn::Single { client, conn } => {
+            Conn::Single { client, conn, .. } => {
                 let connect = || {
                     let client = client.as_ref().clone();
                     async move {
@@ -1840,7 +1885,7 @@ impl Inner {
                         Ok(manager)
                     }
                 };
-                Ok(Ready::Single((*conn.get(limit, connect).await?).clone()))
+                Ok(Ready::Single(conn.get(limit, connect).await?))
             }
             Conn::Cluster {
                 client,
@@ -1895,6 +1940,46 @@ impl Inner {
 }
 
 /// Forgets the shared connection a call was made on unless defused.
+/// How long a `PING` may take before the standalone connection it was sent on is replaced.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Dropped armed (its call abandoned), sends a `PING` on the standalone connection in the
+/// background, and replaces the connection if it is not answered in time.
+struct ProbeOnDrop<'a> {
+    connector: &'a Arc<Connector<ConnectionManager>>,
+    used: &'a Arc<ConnectionManager>,
+    probing: &'a Arc<AtomicBool>,
+    armed: bool,
+}
+
+impl Drop for ProbeOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (connector, used, probing) = (self.connector, self.used, self.probing);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (connector, used, probing) = (connector.clone(), used.clone(), probing.clone());
+        runtime.spawn(async move {
+            let mut conn = (*used).clone();
+            let ping = redis::cmd("PING");
+            let ping = ping.query_async::<()>(&mut conn);
+            let answered = tokio::time::timeout(PROBE_TIMEOUT, ping).await;
+            if !matches!(answered, Ok(Ok(()))) && connector.forget(&used) {
+                tracing::warn!(
+                    "fleetlimit: the Redis connection did not answer a PING within {PROBE_TIMEOUT:?}; connecting again"
+                );
+            }
+            probing.store(false, Ordering::Release);
+        });
+    }
+}
+
 struct DiscardOnDrop<'a>(
     Option<(
         &'a Connector<MultiplexedConnection>,
