@@ -295,6 +295,51 @@ async fn paused_redis_keeps_the_deadline_and_traffic_returns_after_sigcont() {
     assert_eq!(limiter.stats().open_breakers, 0);
 }
 
+/// The same at the limiter's defaults (a 50 ms deadline, the default breaker and denial
+/// cache): no decision waits past the deadline (plus scheduling slack on a loaded machine),
+/// and decisions are Redis's again within a second and a half of SIGCONT (the paused
+/// connection, probed unanswered, is replaced meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_redis_at_the_defaults_keeps_the_deadline() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let limiter = Limiter::builder(store)
+        .rule(rule(1_000_000))
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .unwrap();
+    let stop = stop_flag();
+    let running = load(limiter.clone(), 8, 4, stop.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.pause();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    server.resume();
+    let resumed = Instant::now();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let samples = running.await.unwrap();
+    let worst = samples.iter().map(|s| s.took).max().unwrap_or_default();
+    assert!(
+        worst <= fleetlimit::DEFAULT_DEADLINE + Duration::from_millis(250),
+        "a decision took {worst:?}"
+    );
+    let back = samples
+        .iter()
+        .filter(|s| s.started >= resumed && s.decision.source == Source::Store)
+        .map(|s| s.started)
+        .min()
+        .expect("decisions came from Redis again");
+    assert!(
+        back - resumed < Duration::from_millis(1_500),
+        "{:?}",
+        back - resumed
+    );
+    let settled = back + Duration::from_millis(500);
+    let after: Vec<_> = samples.iter().filter(|s| s.started >= settled).collect();
+    assert!(after.len() > 100, "{} decisions to check", after.len());
+    assert!(after.iter().all(|s| !s.decision.degraded));
+}
+
 /// A deadline longer than half a second is the store's to use: a decision Redis answers after
 /// 700 ms, within a 2 s deadline, is the store's, not the policy's (redis-rs's own response
 /// timeout, 500 ms by default, gave it to the policy).
