@@ -345,7 +345,8 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
     /// When the circuit breaker opens and how long before it probes (default
     /// [`BreakerConfig::default`]: after 3 failures in a row, for 250 ms). While it is open,
     /// acquisitions follow the outage policy without asking the store; one per failure domain
-    /// (a cluster's master), as the rate limiter's.
+    /// (a cluster's master), as the rate limiter's. Not counted in the
+    /// `fleetlimit_breakers_open` gauge, which is the rate limiters'.
     pub fn breaker(mut self, config: BreakerConfig) -> Self {
         self.breaker = config;
         self
@@ -387,7 +388,12 @@ impl<S: Store, P> ConcurrencyLimiterBuilder<S, P> {
                 limit: (self.limit / n).max(1),
             }),
         };
-        let breakers = Breakers::new(self.store.failure_domains(), self.breaker);
+        if self.breaker.failures == 0 || self.breaker.cool_down.is_zero() {
+            return Err(invalid(
+                "the breaker needs at least one failure and a non-zero cool-down",
+            ));
+        }
+        let breakers = Breakers::ungauged(self.store.failure_domains(), self.breaker);
         Ok(ConcurrencyLimiter {
             inner: Arc::new(Inner {
                 store: Arc::new(self.store),
@@ -509,17 +515,10 @@ fn release_later(limiter: Arc<Inner>, key: Key, id: u64) {
     }
 }
 
-/// Give slot `id` back; one that cannot be expires by itself. Not while the key's breaker is
-/// open (the store is not answering: queued, the call would wait out the connection's own
-/// timeout), and never for longer than the slot's ttl (past it, the slot has expired).
+/// Give slot `id` back; one that cannot be expires by itself. Sent even while the breaker is
+/// open (a slow spell opens it too, and a slot not given back refuses its key for a ttl), but
+/// never waited for past the slot's ttl (past it, the slot has expired anyway).
 async fn release(limiter: &Inner, key: &Key, id: u64) {
-    if limiter
-        .breakers
-        .is_open(limiter.domain(key), limiter.now_us())
-    {
-        tracing::debug!("fleetlimit: a slot not given back (breaker open); it expires by itself");
-        return;
-    }
     let call = limiter.store.slots(
         SlotOp::Release,
         &limiter.name,

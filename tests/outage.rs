@@ -102,9 +102,11 @@ fn load(
                         .consume(&Key::new(format!("k{key}")), 1)
                         .await
                         .unwrap();
+                    // Measured before the samples' lock, whose wait is no decision's.
+                    let took = started.elapsed();
                     samples.lock().await.push(Sample {
                         started,
-                        took: started.elapsed(),
+                        took,
                         decision,
                         key,
                     });
@@ -297,8 +299,8 @@ async fn paused_redis_keeps_the_deadline_and_traffic_returns_after_sigcont() {
 
 /// The same at the limiter's defaults (a 50 ms deadline, the default breaker and denial
 /// cache): no decision waits past the deadline (plus scheduling slack on a loaded machine),
-/// and decisions are Redis's again within a second and a half of SIGCONT (the paused
-/// connection, probed unanswered, is replaced meanwhile).
+/// and decisions are Redis's again within a second and a half of SIGCONT, all but a few
+/// (a decision the machine holds up past 50 ms follows the policy, as it should).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_redis_at_the_defaults_keeps_the_deadline() {
     let server = RedisServer::start();
@@ -337,7 +339,12 @@ async fn paused_redis_at_the_defaults_keeps_the_deadline() {
     let settled = back + Duration::from_millis(500);
     let after: Vec<_> = samples.iter().filter(|s| s.started >= settled).collect();
     assert!(after.len() > 100, "{} decisions to check", after.len());
-    assert!(after.iter().all(|s| !s.decision.degraded));
+    let degraded = after.iter().filter(|s| s.decision.degraded).count();
+    assert!(
+        degraded * 100 <= after.len(),
+        "{degraded} of {} decisions degraded after Redis came back",
+        after.len()
+    );
 }
 
 /// A deadline longer than half a second is the store's to use: a decision Redis answers after
@@ -435,7 +442,8 @@ async fn a_half_open_connection_is_replaced() {
         d.degraded,
         "nothing comes back on the cut connection: {d:?}"
     );
-    let took = until_decided_by_the_store(&limiter, &key, Duration::from_secs(4)).await;
+    // The probe's second, a deadline, a breaker's cool-down and a new connection: about 1.3 s.
+    let took = until_decided_by_the_store(&limiter, &key, Duration::from_millis(2_500)).await;
     eprintln!("decided by the store again after {took:?}");
 }
 

@@ -175,6 +175,9 @@ pub(crate) struct Breakers {
     /// A task brings the gauge up to date after each cool-down while it shows one of ours open
     /// (see [`Breakers::watch`]).
     watching: AtomicBool,
+    /// Whether these breakers count in the process-wide gauge (a concurrency limiter's do not:
+    /// nothing would bring the gauge up to date after a cool-down while it is idle).
+    gauged: bool,
 }
 
 impl Drop for Breakers {
@@ -188,12 +191,22 @@ impl Breakers {
     /// and closing, and whenever the stats are read, which also sees a cool-down that ended).
     pub(crate) fn report_open(&self, now: u64) -> u64 {
         let open = self.open_at(now);
+        if !self.gauged {
+            return open;
+        }
         let before = self.reported.swap(open, Ordering::Relaxed);
         super::telemetry::breakers_open_changed(before, open);
         open
     }
 
     pub(crate) fn new(domains: usize, config: BreakerConfig) -> Breakers {
+        let mut breakers = Breakers::ungauged(domains, config);
+        breakers.gauged = true;
+        breakers
+    }
+
+    /// Breakers left out of the process-wide gauge of open breakers.
+    pub(crate) fn ungauged(domains: usize, config: BreakerConfig) -> Breakers {
         Breakers {
             breakers: (0..domains.max(1)).map(|_| Breaker::default()).collect(),
             config,
@@ -201,6 +214,7 @@ impl Breakers {
             opened: AtomicU64::new(0),
             reported: AtomicU64::new(0),
             watching: AtomicBool::new(false),
+            gauged: false,
         }
     }
 
@@ -307,11 +321,6 @@ impl Breakers {
                 None
             }
         }
-    }
-
-    /// Whether `domain`'s breaker refuses calls at `now`.
-    pub(crate) fn is_open(&self, domain: usize, now: u64) -> bool {
-        self.breakers[domain % self.breakers.len()].state(now) == BreakerState::Open
     }
 
     /// Store calls that failed or missed the deadline.

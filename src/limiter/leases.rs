@@ -955,6 +955,32 @@ mod tests {
         );
     }
 
+    /// A key this process has learnt is blocked (a listing's refusal, remembered) while its
+    /// leased block still holds permits (the block came in after the refusal): refused, not
+    /// admitted from the block.
+    #[tokio::test(start_paused = true)]
+    async fn a_remembered_block_refuses_before_leased_permits() {
+        let (leased, plain, _) = fleet(LeaseConfig::fixed(10));
+        let key = Key::new("k");
+        assert_eq!(leased.consume(&key, 1).await.unwrap().source, Source::Lease);
+        plain.block(&key, Duration::from_secs(60)).await.unwrap();
+        let blocked = plain.consume(&key, 1).await.unwrap();
+        assert!(
+            !blocked.allowed && blocked.listed.is_listed(),
+            "{blocked:?}"
+        );
+        let inner = &leased.inner;
+        let rules = inner.rules.load();
+        let check = Check {
+            rule: &rules[0],
+            key: &key,
+            cost: 1,
+        };
+        inner.remember(&check, &blocked, inner.asked(Some(&key)));
+        let d = leased.consume(&key, 1).await.unwrap();
+        assert!(!d.allowed && d.listed.is_listed(), "{d:?}");
+    }
+
     /// A block leased near the end of a 2 s window, then the quota changed to 1 s windows: the
     /// store moves the count into the new window and starts the next one afresh, so the old
     /// block's permits, spent into that next window, would pass both limits. They are not
@@ -1121,8 +1147,6 @@ mod tests {
         assert_eq!(plain.peek(&key).await.unwrap().remaining, 5);
     }
 
-    /// A shutdown that stops waiting for `release_leases` (its own timeout) still gives every
-    /// block back: the give-backs go on without it.
     /// A shutdown's `release_leases` while the sweeper gives quiet keys' blocks back: those keys
     /// are out of the map already, one give-back at a time, and the runtime's end cut the
     /// sweep short. `release_leases` now returns once the sweep has given them all back.
@@ -1159,6 +1183,8 @@ mod tests {
         }
     }
 
+    /// A shutdown that stops waiting for `release_leases` (its own timeout) still gives every
+    /// block back: the give-backs go on without it.
     #[tokio::test(start_paused = true)]
     async fn release_leases_given_up_on_still_gives_every_block_back() {
         let (leased, plain, _) = leasing_two_ms_away();

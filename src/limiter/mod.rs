@@ -1143,13 +1143,8 @@ impl Inner {
         let deadline = deadline.unwrap_or_else(|| Deadline::after(self.deadline));
         if let ([check], Op::Consume) = (checks, op) {
             if let Some(index) = self.rule_index(check.rule) {
-                // Permits already leased first: spending them never passes the limit, and a
-                // denial remembered for this cost may predate the block.
                 let now = self.clock.now_us();
-                if let Some(d) = self.spend_leased(index, check, now) {
-                    return Ok(vec![d]);
-                }
-                if let Some(d) = self.remembered(check, now) {
+                if let Some(d) = self.before_the_store(index, check, now) {
                     return Ok(vec![d]);
                 }
                 if let Some(d) = self.decide_leased(index, check, deadline).await? {
@@ -1173,15 +1168,22 @@ impl Inner {
         if self.rule_index(check.rule)? != index {
             return None;
         }
-        let now = self.clock.now_us();
-        // In `decide`'s order: permits already leased, then a remembered denial.
-        if let Some(d) = self.spend_leased(index, check, now) {
-            return Some(d);
-        }
-        let denied = self.remembered(check, now)?;
+        let d = self.before_the_store(index, check, self.clock.now_us())?;
         // A refusal may earn a penalty, and blocking a key waits for the store: with a
         // penalty box, `decide` answers it (it can wait).
-        self.penalties.is_none().then_some(denied)
+        (d.allowed || self.penalties.is_none()).then_some(d)
+    }
+
+    /// A single-rule consume decided in process, if it can be: a remembered listing's refusal
+    /// (the key is blocked or denied, whatever permits this process holds), then permits already
+    /// leased (spending them never passes the limit, and a denial remembered for this cost may
+    /// predate the block), then a remembered denial.
+    fn before_the_store(&self, index: usize, check: &Check<'_>, now: u64) -> Option<Decision> {
+        let remembered = self.remembered(check, now);
+        if let Some(d) = remembered.filter(|d| d.listed.is_listed()) {
+            return Some(d);
+        }
+        self.spend_leased(index, check, now).or(remembered)
     }
 
     /// A remembered denial of this single-rule consume at `now`, if there is one.

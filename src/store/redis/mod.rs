@@ -77,7 +77,9 @@ fn pause_ms(pause: Duration) -> u64 {
 }
 
 /// A pause that only grows: set unless the one in force ends later.
-const EXTEND_PAUSE_SCRIPT: &str = "if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then \
+/// (`PTTL` before a write needs effects replication too, on a Redis 5.0–6.2 set otherwise.)
+const EXTEND_PAUSE_SCRIPT: &str = "redis.replicate_commands() \
+     if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then \
      redis.call('SET', KEYS[1], 1, 'PX', ARGV[1]) end return 1";
 
 /// Concurrency slots (`slots.lua`), sent whole with `EVAL` (one command on every kind of
@@ -1708,7 +1710,7 @@ impl Inner {
         };
         let result = call.await;
         abandoned.armed = false;
-        if result.as_ref().is_err_and(|e| e.code() == Some("READONLY")) && conn.forget(used) {
+        if result.as_ref().is_err_and(turned_replica) && conn.forget(used) {
             tracing::warn!("fleetlimit: Redis answered READONLY (a failover?); connecting again");
         }
         result
@@ -1731,7 +1733,7 @@ impl Inner {
             e.is_io_error()
                 || e.is_connection_dropped()
                 || e.is_unrecoverable_error()
-                || e.code() == Some("READONLY")
+                || turned_replica(e)
         });
         if !broken {
             guard.0 = None;
@@ -1939,7 +1941,12 @@ impl Inner {
     }
 }
 
-/// Forgets the shared connection a call was made on unless defused.
+/// Whether `error` says the node is a replica now (a failover): `READONLY`, or, before Redis
+/// 7.0, a script's error wrapping it (`ERR Error running script … -READONLY …`).
+fn turned_replica(error: &RedisError) -> bool {
+    error.code() == Some("READONLY") || error.detail().is_some_and(|d| d.contains("READONLY"))
+}
+
 /// How long a `PING` may take before the standalone connection it was sent on is replaced.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -1964,8 +1971,17 @@ impl Drop for ProbeOnDrop<'_> {
         if probing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let (connector, used, probing) = (connector.clone(), used.clone(), probing.clone());
+        /// Clears the flag however the probe ends (its runtime may drop it unfinished).
+        struct Probing(Arc<AtomicBool>);
+        impl Drop for Probing {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let probing = Probing(probing.clone());
+        let (connector, used) = (connector.clone(), used.clone());
         runtime.spawn(async move {
+            let _probing = probing;
             let mut conn = (*used).clone();
             let ping = redis::cmd("PING");
             let ping = ping.query_async::<()>(&mut conn);
@@ -1975,11 +1991,11 @@ impl Drop for ProbeOnDrop<'_> {
                     "fleetlimit: the Redis connection did not answer a PING within {PROBE_TIMEOUT:?}; connecting again"
                 );
             }
-            probing.store(false, Ordering::Release);
         });
     }
 }
 
+/// Forgets the shared connection a call was made on unless defused.
 struct DiscardOnDrop<'a>(
     Option<(
         &'a Connector<MultiplexedConnection>,
@@ -2270,6 +2286,25 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A master turned replica refuses a script's write with `READONLY`: as its own code from
+    /// Redis 7.0, wrapped in the script's error before (both mean: connect again).
+    #[test]
+    fn readonly_is_recognised_bare_and_wrapped_in_a_scripts_error() {
+        let error = |reply: &[u8]| {
+            redis::parse_redis_value(reply)
+                .and_then(redis::Value::extract_error)
+                .unwrap_err()
+        };
+        let bare = error(b"-READONLY You can't write against a read only replica.\r\n");
+        let wrapped = error(
+            b"-ERR Error running script (call to f_1a2b): @user_script:12: -READONLY You can't write against a read only replica.\r\n",
+        );
+        let other = error(b"-ERR Error running script (call to f_1a2b): @user_script:12: bad\r\n");
+        assert!(turned_replica(&bare));
+        assert!(turned_replica(&wrapped), "{wrapped:?}");
+        assert!(!turned_replica(&other));
+    }
 
     /// Redis older than 5.0 is refused, on any node of a cluster, naming the version; a reply
     /// naming none (or one that is no version) is refused too, never taken for a recent one.
