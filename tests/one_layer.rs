@@ -769,6 +769,48 @@ fn once_a_minute(name: &str, scope: Scope) -> RateLimitLayer {
         .unwrap()
 }
 
+/// A scope's literal text matches a path however the client escapes it, as the service reads
+/// it: axum routes on the path as sent and decodes the parameters it hands the handler, and
+/// `ServeDir` decodes its file's path, so `/users/%6De` is served as `/users/me` and
+/// `/files/%70rivate/x` as `/files/private/x`. An escaped `/` is no separator, to the router as
+/// to the scope.
+#[tokio::test]
+async fn percent_escapes_never_dodge_a_scopes_literal_text() {
+    let me = once_a_minute("me", Scope::new().route(Method::POST, "/users/me"));
+    let app = Router::new()
+        .route("/users/{id}", axum::routing::post(|| async { "post" }))
+        .layer(me);
+    admits_once(&app, Method::POST, "/users/%6De", "/users/%6d%65").await;
+    assert_eq!(
+        as_account(&app, Method::POST, "/users/m%2Fe").await,
+        StatusCode::OK,
+        "`m/e` is another user"
+    );
+    let private = once_a_minute(
+        "private",
+        Scope::new().route(Method::GET, "/files/private/*"),
+    );
+    let app = Router::new()
+        .route("/files/{*path}", get(|| async { "file" }))
+        .layer(private);
+    admits_once(
+        &app,
+        Method::GET,
+        "/files/%70rivate/a",
+        "/files/priv%61te/b",
+    )
+    .await;
+    assert_eq!(
+        as_account(&app, Method::GET, "/files/public/a").await,
+        StatusCode::OK
+    );
+    let item = once_a_minute("item", Scope::new().route(Method::GET, "/items/x-{id}"));
+    let app = Router::new()
+        .route("/items/{id}", get(|| async { "item" }))
+        .layer(item);
+    admits_once(&app, Method::GET, "/items/x-1", "/items/%78-2").await;
+}
+
 /// `first` is admitted and `second` (the same route) refused: one rule counted both.
 async fn admits_once(app: &Router, method: Method, first: &str, second: &str) {
     assert_eq!(
@@ -841,6 +883,12 @@ async fn full_routes_match_inside_a_nested_router_whatever_their_parameters_are_
     );
     admits_once(&app, Method::PUT, "/v1/users/7", "/v1/users/8").await;
     admits_once(&app, Method::POST, "/v1/users/me", "/v1/users/me").await;
+    // Nor is it dodged with percent-escapes: axum routes `/users/%6De` as sent, and hands the
+    // handler `me`.
+    assert_eq!(
+        as_account(&app, Method::POST, "/v1/users/%6De").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
     // Another user's POST is not the literal route.
     assert_eq!(
         as_account(&app, Method::POST, "/v1/users/you").await,

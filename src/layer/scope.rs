@@ -1,6 +1,7 @@
 //! Which rules apply to a request, with which key and cost, and when their permits are given
 //! back.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -29,8 +30,11 @@ type QuotaFn = Arc<dyn Fn(&Parts) -> Option<crate::Quota> + Send + Sync>;
 ///     .route(Method::POST, "/login")
 ///     .key(PeerIp::default())
 ///     .refund_if(|status| status.is_success());
-/// // Only for tenants on the free plan.
-/// let free = Scope::new().when(|parts| parts.headers.get("x-plan").is_some_and(|p| p == "free"));
+/// // Only for tenants on the free plan, as your authentication middleware found it (never a
+/// // header the client sends: a free client would leave it out).
+/// #[derive(Clone, PartialEq)]
+/// enum Plan { Free, Paid }
+/// let free = Scope::new().when(|parts| parts.extensions.get::<Plan>() == Some(&Plan::Free));
 /// // Uploads, charged per KiB of their declared length.
 /// let uploads = Scope::new()
 ///     .route(Method::PUT, "/files/{name}")
@@ -288,10 +292,31 @@ pub(crate) enum Segment {
     },
 }
 
+impl Segment {
+    /// The segment with its literal text [`decoded`].
+    fn decoded(self) -> Segment {
+        let text = |t: String| decoded(&t).into_owned();
+        match self {
+            Segment::Literal(t) => Segment::Literal(text(t)),
+            Segment::Param { prefix, suffix } => Segment::Param {
+                prefix: text(prefix),
+                suffix: text(suffix),
+            },
+            Segment::Rest { prefix } => Segment::Rest {
+                prefix: text(prefix),
+            },
+        }
+    }
+}
+
 impl PathMatch {
     fn parse(path: &str) -> PathMatch {
         let segments = match parse_pattern(path) {
-            Ok(segments) => segments,
+            // Literal text as a request's path is compared: decoded.
+            Ok(segments) => segments
+                .into_iter()
+                .map(Segment::decoded)
+                .collect::<Vec<_>>(),
             Err(reason) => {
                 return PathMatch::Invalid {
                     source: path.to_owned(),
@@ -329,14 +354,15 @@ impl PathMatch {
     /// prefix): a pattern written relative to the nested router (`/{id}` under `/users`) must
     /// not match another route's full path (`GET /users`, the list).
     fn matches(&self, parts: &Parts) -> bool {
-        let path = parts.uri.path();
+        let raw = parts.uri.path();
+        let path = &*decoded(raw);
         let written = match self {
             PathMatch::Exact(p) | PathMatch::Prefix(p) => p.as_str(),
             PathMatch::Pattern { source, .. } => source.as_str(),
             PathMatch::Invalid { .. } => return false,
         };
         let either = |test: &dyn Fn(&str) -> bool| {
-            test(path) || full_path(parts, path, written).is_some_and(test)
+            test(path) || full_path(parts, raw, written).is_some_and(|full| test(&decoded(full)))
         };
         match self {
             PathMatch::Exact(p) => {
@@ -367,6 +393,38 @@ impl PathMatch {
             _ => Ok(()),
         }
     }
+}
+
+/// `path` with its percent-escapes decoded, as axum hands a handler its parameters (and
+/// `ServeDir` its file's path) while routing on the path as sent: a scope compares its literal
+/// text against what the service reads, or `/users/%6De` would be served as `/users/me` outside
+/// a scope on `/users/me`. An escaped `/` stays escaped (it does not split a segment), and so does
+/// an escaped `%` (`%252F` must not become an escaped `/`, nor `%2541` an `A`).
+fn decoded(path: &str) -> Cow<'_, str> {
+    if !path.contains('%') {
+        return Cow::Borrowed(path);
+    }
+    let hex = |b: u8| char::from(b).to_digit(16);
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = match (bytes.get(i + 1), bytes.get(i + 2)) {
+            (Some(&h), Some(&l)) if bytes[i] == b'%' => hex(h).zip(hex(l)).map(|(h, l)| h * 16 + l),
+            _ => None,
+        };
+        match escaped.and_then(|b| u8::try_from(b).ok()) {
+            Some(b) if b != b'/' && b != b'%' => {
+                out.push(b);
+                i += 3;
+            }
+            _ => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
 }
 
 fn matches_segments(pattern: &[Segment], path: &str) -> bool {
