@@ -140,6 +140,57 @@ async fn a_failed_grpc_call_is_judged_by_its_grpc_status() {
     server.abort();
 }
 
+/// The same failed login sent by a client that does not say gRPC (another content type, or
+/// none): tonic answers it all the same, as gRPC, and the failure is read from that answer.
+/// Judged by the request, it read as HTTP 200 and was refunded: guessing without limit.
+#[tokio::test]
+async fn a_grpc_failure_is_judged_by_the_answer_whatever_the_request_said() {
+    use axum::routing::post;
+    use fleetlimit::layer::Scope;
+    use fleetlimit::{Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
+    use tower::ServiceExt;
+
+    const LOGIN: &str = "/demo.Auth/Login";
+    for content_type in [Some("application/octet-stream"), None] {
+        let limiter = Limiter::builder(MemoryStore::new())
+            .rule(Rule::new("logins", Quota::per_minute(2).build().unwrap()).unwrap())
+            .build()
+            .unwrap();
+        let layer = RateLimitLayer::builder(limiter)
+            .scope("logins", Scope::new().refund_if(|s| s.is_success()))
+            .build()
+            .unwrap();
+        let app = axum::Router::new()
+            .route(
+                LOGIN,
+                post(|| async {
+                    http::Response::builder()
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", "16")
+                        .body(axum::body::Body::empty())
+                        .unwrap()
+                }),
+            )
+            .layer(layer);
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            let mut req = http::Request::post(LOGIN);
+            if let Some(content_type) = content_type {
+                req = req.header("content-type", content_type);
+            }
+            let req = req
+                .extension(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                    [203, 0, 113, 9],
+                    4000,
+                ))))
+                .body(axum::body::Body::empty())
+                .unwrap();
+            statuses.push(app.clone().oneshot(req).await.unwrap().status().as_u16());
+        }
+        assert_eq!(statuses, [200, 200, 429], "{content_type:?}");
+    }
+}
+
 /// Answers every call with its request: a success.
 #[derive(Clone, Copy)]
 struct EchoOk;

@@ -66,8 +66,16 @@ pub(crate) fn is_grpc(parts: &http::request::Parts) -> bool {
 /// trailers-only response), and is read as the HTTP status the gRPC code stands for
 /// (`UNAUTHENTICATED` as 401, `INTERNAL` as 500, ...). A status in the trailers, after the
 /// messages, comes after the headers are sent and is not seen: such a call reads as 200.
+/// A call is gRPC when the request says so (`grpc`) or the response does (its content type):
+/// tonic answers a call whatever the request's content type or method, so a client that sends
+/// another must not have a failed login read as HTTP 200.
 pub(crate) fn outcome_status<B>(response: &http::Response<B>, grpc: bool) -> StatusCode {
     let status = response.status();
+    let grpc = grpc
+        || response
+            .headers()
+            .get(CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
     if !grpc || status != StatusCode::OK {
         return status;
     }
@@ -280,6 +288,17 @@ mod tests {
         );
         let http = outcome_status(&answer(200, Some("16")), false);
         assert_eq!(http, StatusCode::OK, "not a gRPC call");
+        // A gRPC answer to a request that did not say gRPC (tonic answers any content type).
+        let mut answered = answer(200, Some("16"));
+        answered.headers_mut().insert(
+            CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        assert_eq!(
+            outcome_status(&answered, false),
+            StatusCode::UNAUTHORIZED,
+            "the response says gRPC"
+        );
     }
 
     const STATUSES: Statuses = Statuses {
