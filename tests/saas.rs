@@ -290,4 +290,34 @@ async fn with_redis_gone_each_instance_decides_on_its_share() {
     }
     // /health still answers.
     assert_eq!(fleet.get(0, "/health", &[]).await.status, StatusCode::OK);
+    // An upload streamed with no declared length is metered against the instance's share of
+    // the tenant's 10 MiB a minute (5 MiB), as read: 8 MiB is refused (it was charged 1 KiB
+    // up front, then read unmetered). A declared 8 MiB is refused before a byte is read.
+    let put = |body: Body, declared: Option<usize>| {
+        let length = declared.map(|l| l.to_string());
+        let fleet = &fleet;
+        async move {
+            let mut headers = vec![BIGCO];
+            if let Some(length) = &length {
+                headers.push(("content-length", length.as_str()));
+            }
+            fleet
+                .send(1, Method::PUT, "/files/data.bin", &headers, body)
+                .await
+                .status
+        }
+    };
+    assert_eq!(
+        put(streamed(8 * MIB), None).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        put(Body::from(vec![b'a'; 8 * MIB]), Some(8 * MIB)).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        put(streamed(64 * 1024), None).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the refused upload's 5 MiB read stay charged: the share is spent"
+    );
 }

@@ -113,7 +113,7 @@ impl Verdict {
         let mut meter: Option<Meter> = None;
         for (index, (target, decision)) in self.targets.iter().zip(&self.decisions).enumerate() {
             if !counted(decision) {
-                continue; // not charged for real (an outage's fallback): nothing to meter
+                continue; // not charged for real (fail open): nothing to meter
             }
             if let Some(unit) = scopes[target.rule].body_unit {
                 meter
@@ -310,7 +310,7 @@ impl Verdict {
             .enumerate()
         {
             if !counted(decision) {
-                continue; // decided without the store (an outage's fallback): nothing taken there
+                continue; // the outage policy's own answer: nothing taken anywhere
             }
             let refund = refused_inside
                 || scopes[target.rule]
@@ -521,12 +521,19 @@ fn warn_unmetered() {
     }
 }
 
-/// Whether `decision` took from the shared budget (the store, or a block leased from it), so
-/// that metering, settling and refunds apply to it. Each rule's own, never the governing
-/// decision's: a body read on into an outage leaves the outage policy's decision in place of
-/// the one that took the permits (its receipt kept), and that decision may govern.
+/// Whether `decision` took from a budget that counts (the store's, a block leased from it, or
+/// the local fallback's in an outage), so that metering and charges past a reservation apply
+/// to it (refunds need its receipt besides: the fallback's admissions have none, and give
+/// nothing back). Each rule's own, never the governing decision's: a body read on into an
+/// outage leaves the outage policy's decision in place of the one that took the permits (its
+/// receipt kept), and that decision may govern. Not the policy's own answers (fail open or
+/// closed): those took nothing anywhere.
 fn counted(decision: &Decision) -> bool {
-    decision.taken.is_some() || matches!(decision.source, Source::Store | Source::Lease)
+    decision.taken.is_some()
+        || matches!(
+            decision.source,
+            Source::Store | Source::Lease | Source::Fallback
+        )
 }
 
 /// The decision that governs a request's single-valued headers.
