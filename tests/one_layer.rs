@@ -633,6 +633,31 @@ async fn a_body_refusal_passed_on_as_the_services_error_is_still_a_refusal() {
     assert_eq!(left(&limiter, "upload-kib", &Key::new("tenant-1")).await, 0);
 }
 
+/// A body sent in many small chunks keeps a bounded number of receipts: a server error gives
+/// back the first 1,024 charged as read (and the unit charged up front), never more, however
+/// many frames came (each kept one, and a refund sent them all).
+#[tokio::test]
+async fn a_body_of_many_small_chunks_keeps_a_bounded_number_of_receipts() {
+    let limiter = limiter(vec![rule("upload-kib", 1_000_000)]);
+    let app = Router::new()
+        .route(
+            "/files/{name}",
+            axum::routing::put(|body: bytes::Bytes| async move {
+                (StatusCode::INTERNAL_SERVER_ERROR, body.len().to_string())
+            }),
+        )
+        .layer(MeterBodyLayer)
+        .layer(kib_refunding_server_errors(&limiter));
+    // 1,500 KiB (under axum's 2 MiB default for a body read whole).
+    let r = put_chunks(&app, 1_500).await;
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    // 1,500 KiB charged: 1 up front, 1,499 as read; 1 + 1,024 given back.
+    assert_eq!(
+        left(&limiter, "upload-kib", &Key::new("tenant-1")).await,
+        1_000_000 - 1_500 + 1 + 1_024
+    );
+}
+
 /// [`support::Chunks`], with `before(i)` run before the `i`-th frame is handed out
 /// (`i` = the number of chunks for the end of the body).
 struct Staged<F> {

@@ -44,9 +44,15 @@ struct Metered {
     paid: u64,
     /// The latest decision, once bytes were charged as read.
     latest: Option<Decision>,
-    /// Receipts of what was charged as read, for refunds.
+    /// Receipts of what was charged as read, for refunds: the first [`MAX_RECEIPTS`].
     receipts: Vec<Taken>,
 }
+
+/// The most receipts kept per rule and request. A client chooses its frames' size (hyper hands
+/// on a chunk as it came), so a body sent in 1 KiB chunks for an hour would keep hundreds of
+/// thousands, and a refund would send them all; past this many, what is charged as read is not
+/// given back by a refund (the client loses it: never a permit made).
+const MAX_RECEIPTS: usize = 1024;
 
 /// Why a metered body stopped.
 pub(crate) enum Stopped {
@@ -153,7 +159,9 @@ impl Meter {
                 .find(|m| m.rule == target.rule && m.key == target.key);
             if let Some(m) = metered {
                 m.paid = m.paid.saturating_add(target.cost.saturating_mul(m.unit));
-                m.receipts.extend(decision.taken.take());
+                if m.receipts.len() < MAX_RECEIPTS {
+                    m.receipts.extend(decision.taken.take());
+                }
                 m.latest = Some(decision);
             }
         }
