@@ -1007,3 +1007,70 @@ async fn a_custom_denial_keeps_its_own_headers() {
     assert_eq!(h(&r, "ratelimit-limit").as_deref(), Some("mine"));
     assert_eq!(h(&r, "ratelimit-remaining").as_deref(), Some("0"));
 }
+
+/// A quota lowered while the handler runs (a rules reload under a long request): the IETF
+/// headers describe the decision that admitted the request, `q` included. Read from the rules
+/// at the response, they said `q=10` beside `r=99`: more left than the budget.
+#[tokio::test]
+async fn ietf_headers_describe_the_quota_that_decided() {
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(
+            Rule::new(
+                "api",
+                Quota::per_minute(100)
+                    .algorithm(Algorithm::FixedWindow)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let (go, wait) = tokio::sync::oneshot::channel::<()>();
+    let wait = std::sync::Arc::new(std::sync::Mutex::new(Some(wait)));
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || {
+                let wait = wait.lock().unwrap().take();
+                async move {
+                    if let Some(wait) = wait {
+                        let _ = wait.await;
+                    }
+                    "ok"
+                }
+            }),
+        )
+        .layer(
+            RateLimitLayer::builder(limiter.clone())
+                .key(key::global())
+                .headers(HeaderStyle::Ietf)
+                .build()
+                .unwrap(),
+        );
+    let request = tokio::spawn(app.oneshot(Request::get("/").body(Body::empty()).unwrap()));
+    tokio::task::yield_now().await;
+    limiter
+        .set_quota(
+            "api",
+            Quota::per_minute(10)
+                .algorithm(Algorithm::FixedWindow)
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+    go.send(()).unwrap();
+    let response = request.await.unwrap().unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let header = |name: &str| response.headers()[name].to_str().unwrap().to_owned();
+    assert!(
+        header("ratelimit-policy").starts_with("\"api\";q=100;"),
+        "{}",
+        header("ratelimit-policy")
+    );
+    assert!(
+        header("ratelimit").starts_with("\"api\";r=99;"),
+        "{}",
+        header("ratelimit")
+    );
+}

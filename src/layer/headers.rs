@@ -279,8 +279,10 @@ fn write_ietf(rules: &[&Rule], decisions: &[Decision], headers: &mut HeaderMap) 
                 // refill rate; `w` the time the bucket takes to refill that much (for a
                 // burst above the limit, longer than the period), so that a client pacing
                 // itself at `q` per `w` keeps to the rate.
+                // `q` from the decision: the quota may have changed while the handler ran,
+                // and `r` (from the decision too) must never read above it.
                 let window = ceil_secs(policy_window(rule.quota())).max(1);
-                ((b";q=", rule.quota().capacity()), (b";w=", window))
+                ((b";q=", d.limit), (b";w=", window))
             } else {
                 let t = match (d.allowed, d.retry_after) {
                     (false, Some(retry)) => ceil_secs(retry).max(1),
