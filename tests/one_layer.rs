@@ -800,8 +800,8 @@ fn once_a_minute(name: &str, scope: Scope) -> RateLimitLayer {
 /// A scope's literal text matches a path however the client escapes it, as the service reads
 /// it: axum routes on the path as sent and decodes the parameters it hands the handler, and
 /// `ServeDir` decodes its file's path, so `/users/%6De` is served as `/users/me` and
-/// `/files/%70rivate/x` as `/files/private/x`. An escaped `/` is no separator, to the router as
-/// to the scope.
+/// `/files/%70rivate/x` as `/files/private/x`. An escaped `/` is no separator to the router
+/// (`m%2Fe` is another user), but a catch-all reads it as one.
 #[tokio::test]
 async fn percent_escapes_never_dodge_a_scopes_literal_text() {
     let me = once_a_minute("me", Scope::new().route(Method::POST, "/users/me"));
@@ -828,6 +828,19 @@ async fn percent_escapes_never_dodge_a_scopes_literal_text() {
         "/files/priv%61te/b",
     )
     .await;
+    // A catch-all (and `ServeDir`) reads an escaped `/` as one, and skips `.` and empty
+    // segments: each of these is `/files/private/x` to the handler.
+    for odd in [
+        "/files/private%2Fx",
+        "/files//private/x",
+        "/files/./private/x",
+    ] {
+        assert_eq!(
+            as_account(&app, Method::GET, odd).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{odd}"
+        );
+    }
     assert_eq!(
         as_account(&app, Method::GET, "/files/public/a").await,
         StatusCode::OK
@@ -837,6 +850,19 @@ async fn percent_escapes_never_dodge_a_scopes_literal_text() {
         .route("/items/{id}", get(|| async { "item" }))
         .layer(item);
     admits_once(&app, Method::GET, "/items/x-1", "/items/%78-2").await;
+    // A nest's parameter escaped: `/t/%61cme/export` is tenant `acme`'s export.
+    let export = once_a_minute("export", Scope::new().route(Method::POST, "/t/acme/export"));
+    let app = Router::new().nest(
+        "/t/{tenant}",
+        Router::new()
+            .route("/export", axum::routing::post(|| async { "export" }))
+            .layer(export),
+    );
+    admits_once(&app, Method::POST, "/t/acme/export", "/t/%61cme/export").await;
+    assert_eq!(
+        as_account(&app, Method::POST, "/t/other/export").await,
+        StatusCode::OK
+    );
 }
 
 /// `first` is admitted and `second` (the same route) refused: one rule counted both.

@@ -355,14 +355,20 @@ impl PathMatch {
     /// not match another route's full path (`GET /users`, the list).
     fn matches(&self, parts: &Parts) -> bool {
         let raw = parts.uri.path();
-        let path = &*decoded(raw);
         let written = match self {
             PathMatch::Exact(p) | PathMatch::Prefix(p) => p.as_str(),
             PathMatch::Pattern { source, .. } => source.as_str(),
             PathMatch::Invalid { .. } => return false,
         };
+        // The path as routed (escapes decoded within their segments) and as a catch-all
+        // parameter or a file server reads it (see `served`): a scope matching either applies.
+        let as_read = |path: &str, test: &dyn Fn(&str) -> bool| {
+            let served = served(path);
+            test(&decoded(path)) || (matches!(served, Cow::Owned(_)) && test(&served))
+        };
         let either = |test: &dyn Fn(&str) -> bool| {
-            test(path) || full_path(parts, raw, written).is_some_and(|full| test(&decoded(full)))
+            as_read(raw, test)
+                || full_path(parts, raw, &decoded(written)).is_some_and(|full| as_read(full, test))
         };
         match self {
             PathMatch::Exact(p) => {
@@ -398,22 +404,18 @@ impl PathMatch {
 /// `path` with its percent-escapes decoded, as axum hands a handler its parameters (and
 /// `ServeDir` its file's path) while routing on the path as sent: a scope compares its literal
 /// text against what the service reads, or `/users/%6De` would be served as `/users/me` outside
-/// a scope on `/users/me`. An escaped `/` stays escaped (it does not split a segment), and so does
-/// an escaped `%` (`%252F` must not become an escaped `/`, nor `%2541` an `A`).
+/// a scope on `/users/me`. An escaped `/` stays escaped (it does not split a segment, to the
+/// router; a catch-all reads it as a `/`: see [`served`]), and so does an escaped `%` (`%252F`
+/// must not become an escaped `/`).
 fn decoded(path: &str) -> Cow<'_, str> {
     if !path.contains('%') {
         return Cow::Borrowed(path);
     }
-    let hex = |b: u8| char::from(b).to_digit(16);
     let bytes = path.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let escaped = match (bytes.get(i + 1), bytes.get(i + 2)) {
-            (Some(&h), Some(&l)) if bytes[i] == b'%' => hex(h).zip(hex(l)).map(|(h, l)| h * 16 + l),
-            _ => None,
-        };
-        match escaped.and_then(|b| u8::try_from(b).ok()) {
+        match escape_at(bytes, i) {
             Some(b) if b != b'/' && b != b'%' => {
                 out.push(b);
                 i += 3;
@@ -425,6 +427,55 @@ fn decoded(path: &str) -> Cow<'_, str> {
         }
     }
     Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// `path` as a catch-all parameter (`{*path}`) or a file server (`ServeDir`) reads it: every
+/// escape decoded, an escaped `/` included, and empty and `.` segments dropped. A scope on
+/// `/files/private/*` must hold for `/files/private%2Fx`, `/files//private/x` and
+/// `/files/./private/x`, which such a service serves as `/files/private/x`. (Matching more than
+/// the router would only limits a client that wrote its own path oddly.) Borrowed when there is
+/// nothing to change.
+fn served(path: &str) -> Cow<'_, str> {
+    let odd =
+        path.contains('%') || path.contains("//") || path.contains("/./") || path.ends_with("/.");
+    if !odd {
+        return Cow::Borrowed(path);
+    }
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match escape_at(bytes, i) {
+            Some(b) => {
+                out.push(b);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&out);
+    let mut normal = String::with_capacity(text.len());
+    for segment in text.split('/').filter(|s| !s.is_empty() && *s != ".") {
+        normal.push('/');
+        normal.push_str(segment);
+    }
+    if normal.is_empty() {
+        normal.push('/');
+    }
+    Cow::Owned(normal)
+}
+
+/// The byte a valid `%XX` escape at `i` stands for.
+fn escape_at(bytes: &[u8], i: usize) -> Option<u8> {
+    let hex = |b: &u8| char::from(*b).to_digit(16);
+    if bytes.get(i) != Some(&b'%') {
+        return None;
+    }
+    let (high, low) = (hex(bytes.get(i + 1)?)?, hex(bytes.get(i + 2)?)?);
+    u8::try_from(high * 16 + low).ok()
 }
 
 fn matches_segments(pattern: &[Segment], path: &str) -> bool {
@@ -524,7 +575,8 @@ fn full_path<'a>(parts: &'a Parts, path: &str, written: &str) -> Option<&'a str>
             .all(|t| written.next() == Some(t))
             && template.split('/').count() > depth
     };
-    (starts_like(prefix) || matched_path(parts).is_some_and(starts_like)).then_some(full)
+    // The prefix as routed (`/t/%61cme` is tenant `acme`), against the scope's decoded text.
+    (starts_like(&decoded(prefix)) || matched_path(parts).is_some_and(starts_like)).then_some(full)
 }
 
 impl fmt::Debug for Scope {

@@ -271,9 +271,15 @@ impl Verdict {
                     return None;
                 }
                 let unit = scopes[target.rule].settle.as_ref()?.body_unit()?;
-                // Refunded already (refund_if, a refusal inside): nothing left to settle.
-                let taken = decision.taken?;
-                Some((target.clone(), Some(taken), unit))
+                // Refunded already (refund_if, a refusal inside): nothing left to settle. The
+                // local fallback's admissions have no receipt: only what the body sends past
+                // the reservation is charged.
+                let taken = match decision.taken {
+                    Some(taken) => Some(taken),
+                    None if decision.source == Source::Fallback => None,
+                    None => return None,
+                };
+                Some((target.clone(), taken, unit))
             })
             .collect();
         (!targets.is_empty()).then(|| BodySettle {
@@ -485,8 +491,10 @@ async fn charge_extra(limiter: &crate::Limiter, extra: &[crate::Target]) {
                 charged = charge.cost;
                 break;
             };
-            // A listing or the outage policy decided: there is no budget to take from.
-            if refused.degraded || refused.listed.is_listed() {
+            // A listing or the outage policy decided: there is no budget to take from. (The
+            // local fallback's refusals are degraded too, and say what its share has left.)
+            let by_policy = refused.degraded && refused.source != Source::Fallback;
+            if by_policy || refused.listed.is_listed() {
                 break;
             }
             // A remembered refusal says what was left when the store gave it: ask the store.
@@ -717,6 +725,48 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         let left = limiter.peek(&Key::global()).await.unwrap().remaining;
         assert_eq!(left, 50, "the 40 past the reservation charged");
+    }
+
+    /// In an outage with a local fallback, a cost past its reservation that the fallback's share
+    /// cannot hold drains what the share has left, as it would the store's budget (its
+    /// refusal, degraded as every fallback decision is, was taken for the outage policy's, and
+    /// nothing was charged).
+    #[tokio::test(start_paused = true)]
+    async fn an_overrun_in_an_outage_drains_the_local_share() {
+        use crate::store::testing::{Link, TokioClock};
+        use crate::{Algorithm, Key, Limiter, MemoryStore, OnStoreError, Quota, Rule, Source};
+        use std::time::Duration;
+        let store = MemoryStore::builder()
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let hung = Link {
+            store,
+            delay: Duration::from_secs(10),
+            reply_after: Duration::ZERO,
+            lost_renewals: Default::default(),
+        };
+        let quota = Quota::per_hour(100)
+            .algorithm(Algorithm::FixedWindow)
+            .build()
+            .unwrap();
+        let limiter = Limiter::builder(hung)
+            .rule(Rule::new("tokens", quota).unwrap())
+            .on_store_error(OnStoreError::LocalShare(1))
+            .build()
+            .unwrap();
+        let key = Key::new("tenant");
+        let d = limiter.consume(&key, 10).await.unwrap();
+        assert_eq!((d.allowed, d.source), (true, Source::Fallback), "{d:?}");
+        let overrun = crate::Target {
+            rule: 0,
+            key: key.clone(),
+            cost: 500,
+            resolved: None,
+        };
+        charge_extra(&limiter, std::slice::from_ref(&overrun)).await;
+        let d = limiter.consume(&key, 1).await.unwrap();
+        assert_eq!((d.allowed, d.source), (false, Source::Fallback), "{d:?}");
     }
 
     /// An overrun that does not fit drains what is left, even when the denial cache answers

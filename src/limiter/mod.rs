@@ -1186,12 +1186,12 @@ impl Inner {
         self.spend_leased(index, check, now).or(remembered)
     }
 
-    /// A remembered denial of this single-rule consume at `now`, if there is one.
+    /// A remembered denial of this single-rule consume at `now`, if there is one. (Nearly
+    /// always none is held: then no lock is taken, a leased key's every decision asks this.)
     fn remembered(&self, check: &Check<'_>, now: u64) -> Option<Decision> {
+        let denials = self.denials.as_ref().filter(|c| !c.is_empty())?;
         let index = self.rule_index(check.rule)?;
-        self.denials
-            .as_ref()?
-            .get(&(index, check.key.clone()), check.cost, now)
+        denials.get(&(index, check.key.clone()), check.cost, now)
     }
 
     /// When a store call for `key` (the first of its checks) is asked, for
