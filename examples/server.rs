@@ -621,14 +621,32 @@ fn secrets(store: &str) -> Vec<String> {
 }
 
 fn main() -> ExitCode {
-    let options = match parse_args(std::env::args().skip(1)) {
+    // An argument echoed in an error (a URL given where another value was due, or with no
+    // flag) keeps its password out of the message, whatever flag it came with.
+    let hide = |text: String, args: &[String]| {
+        args.iter()
+            .flat_map(|arg| secrets(arg))
+            .fold(text, |text, secret| text.replace(&secret, "***"))
+    };
+    let mut args = Vec::new();
+    for arg in std::env::args_os().skip(1) {
+        match arg.into_string() {
+            Ok(arg) => args.push(arg),
+            Err(arg) => {
+                let shown = hide(arg.to_string_lossy().into_owned(), &args);
+                eprintln!("error: argument {shown:?} is not valid UTF-8");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let options = match parse_args(args.iter().cloned()) {
         Ok(Command::Run(o)) => o,
         Ok(Command::Help) => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", hide(e.to_string(), &args));
             return ExitCode::from(2);
         }
     };

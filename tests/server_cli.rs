@@ -15,8 +15,33 @@ fn server_binary() -> PathBuf {
     p.push(format!("server{}", std::env::consts::EXE_SUFFIX));
     assert!(
         p.exists(),
-        "build the example first: cargo build --example server ({p:?})"
+        "build the example first: cargo build --all-features --examples ({p:?})"
     );
+    // `cargo test` builds the example as a test harness, not this binary: one older than the
+    // sources would test the contract of code that is gone.
+    let built = std::fs::metadata(&p).and_then(|m| m.modified()).unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut sources = vec![root.join("examples/server.rs"), root.join("Cargo.toml")];
+    let mut dirs = vec![root.join("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                sources.push(path);
+            }
+        }
+    }
+    for source in sources {
+        let changed = std::fs::metadata(&source)
+            .and_then(|m| m.modified())
+            .unwrap();
+        assert!(
+            changed <= built,
+            "{p:?} is older than {source:?}: build it again (cargo build --all-features --examples)"
+        );
+    }
     p
 }
 
@@ -112,6 +137,44 @@ fn status(response: &str) -> u16 {
         .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"))
 }
 
+/// The README's first command as it shows it: no flags but the port, the defaults (100 a
+/// minute per key, the sliding window counter, draft-6 headers): `ratelimit-limit: 100`,
+/// `ratelimit-remaining: 99`, `ratelimit-reset` up to 63 (a period and the rest of the
+/// request's sub-window), and the 101st request refused with its JSON body and a
+/// `Retry-After` in whole seconds.
+#[test]
+fn the_defaults_answer_as_the_readme_shows() {
+    let server = start(&["--port", "0"]);
+    let header = |response: &str, name: &str| -> String {
+        response
+            .lines()
+            .find_map(|l| {
+                let (n, v) = l.split_once(':')?;
+                n.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+            })
+            .unwrap_or_else(|| panic!("no {name}: {response}"))
+    };
+    let first = get(server.1, Some("demo"));
+    assert_eq!(status(&first), 200, "{first}");
+    assert_eq!(header(&first, "ratelimit-limit"), "100");
+    assert_eq!(header(&first, "ratelimit-remaining"), "99");
+    let reset: u64 = header(&first, "ratelimit-reset").parse().unwrap();
+    assert!((61..=63).contains(&reset), "{first}");
+    for _ in 1..100 {
+        assert_eq!(status(&get(server.1, Some("demo"))), 200);
+    }
+    let refused = get(server.1, Some("demo"));
+    assert_eq!(status(&refused), 429, "{refused}");
+    assert_eq!(header(&refused, "ratelimit-remaining"), "0");
+    let retry: u64 = header(&refused, "retry-after").parse().unwrap();
+    assert!((1..=63).contains(&retry), "{refused}");
+    let body = body_of(&refused);
+    assert!(
+        body.starts_with(r#"{"error":"rate_limited","retry_after_ms":"#),
+        "{body}"
+    );
+}
+
 #[test]
 fn serves_and_limits_per_api_key_then_peer() {
     let server = start(&[
@@ -186,6 +249,10 @@ fn invalid_flags_exit_2_with_a_message() {
         // A store URL without its scheme (or a mistyped one): refused, its password unsaid.
         &["--store", "user:s3cretpw@127.0.0.1:6379"],
         &["--store", "redis:/user:s3cretpw@127.0.0.1:6379"],
+        // A URL where another value is due, or with no flag: echoed, its password unsaid.
+        &["redis://:s3cretpw@127.0.0.1:6379"],
+        &["--port", "redis://:s3cretpw@127.0.0.1:1"],
+        &["--limit", "redis://user:s3cretpw@127.0.0.1:1"],
     ] {
         let out = run_to_exit(args);
         assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2");
@@ -194,6 +261,23 @@ fn invalid_flags_exit_2_with_a_message() {
         assert!(!err.contains("s3cretpw"), "{args:?}: {err}");
         assert!(out.stdout.is_empty(), "{args:?}");
     }
+}
+
+/// An argument that is not UTF-8 (a Latin-1 file name) is a bad value: exit 2 with a message,
+/// not a panic (exit 101).
+#[cfg(unix)]
+#[test]
+fn an_argument_that_is_not_utf8_exits_2_with_a_message() {
+    use std::os::unix::ffi::OsStrExt;
+    let out = Command::new(server_binary())
+        .arg("--rules")
+        .arg(std::ffi::OsStr::from_bytes(b"/srv/r\xe8gles.toml"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("error: "), "{err}");
 }
 
 #[test]
@@ -343,6 +427,27 @@ fn a_key_spray_does_not_reset_exhausted_clients() {
 
 mod support;
 
+/// A Redis that refuses the URL's credentials (a wrong password, or none where one is needed)
+/// is a configuration error: exit 2 at once, with a message that does not print the password.
+#[test]
+fn a_redis_refusing_the_credentials_exits_2_without_the_password() {
+    let server = support::redis::RedisServer::start();
+    server
+        .cmd(&["CONFIG", "SET", "requirepass", "right-s3cretpw"])
+        .unwrap();
+    for url in [
+        format!("redis://:wrong-s3cretpw@{}", server.addr()),
+        format!("redis://{}", server.addr()),
+    ] {
+        let out = run_to_exit(&["--port", "0", "--store", &url, "--on-store-error", "closed"]);
+        assert_eq!(out.status.code(), Some(2), "{url}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("error"), "{url}: {err}");
+        assert!(!err.contains("s3cretpw"), "{url}: {err}");
+        assert!(out.stdout.is_empty(), "{url}");
+    }
+}
+
 #[test]
 fn serves_from_redis_and_a_redis_cluster() {
     let server = support::redis::RedisServer::start();
@@ -362,10 +467,12 @@ fn serves_from_redis_and_a_redis_cluster() {
         "1h",
     ];
     let demo = start(&args);
+    until_the_store_answers(demo.1);
     assert!(get(demo.1, Some("r")).starts_with("HTTP/1.1 200"));
     assert!(get(demo.1, Some("r")).starts_with("HTTP/1.1 429"));
     // A second demo on the same Redis shares the limit: one fleet, one limit.
     let other = start(&args);
+    until_the_store_answers(other.1);
     assert!(get(other.1, Some("r")).starts_with("HTTP/1.1 429"));
 
     let cluster = support::redis::RedisCluster::start();
@@ -468,6 +575,16 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Until the demo on `port` is answered by its store (not the policy's 503): a fresh Redis
+/// loads the script on the first call, which a loaded machine can take past the deadline.
+fn until_the_store_answers(port: u16) {
+    let mut attempt = 0;
+    wait_until("Redis answers", || {
+        attempt += 1;
+        status(&get(port, Some(&format!("warm-up-{port}-{attempt}")))) == 200
+    });
+}
+
 /// The server's log once it says `text` (within `wait_until`'s bound).
 fn wait_for_log(log: &std::sync::Arc<std::sync::Mutex<String>>, text: &str) -> String {
     wait_until(text, || log.lock().unwrap().contains(text));
@@ -555,6 +672,16 @@ fn a_demo_stopped_by_sigterm_gives_its_leased_permits_back() {
         ]
         .map(str::to_owned)
     };
+    // Hour windows are aligned to the clock: a test crossing the top of the hour would read a
+    // fresh window. Start past it when it is near.
+    let in_hour = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        % 3600;
+    if in_hour > 3_540 {
+        std::thread::sleep(Duration::from_secs(3_601 - in_hour));
+    }
     let leasing = args("1000");
     let mut demo = start(&leasing.iter().map(String::as_str).collect::<Vec<_>>());
     let port = demo.1;
@@ -1030,6 +1157,8 @@ fn a_killed_instance_frees_its_concurrency_slots_within_the_expiry() {
     ];
     let mut a = start(&args);
     let b = start(&args);
+    until_the_store_answers(a.1);
+    until_the_store_answers(b.1);
     let _slow: Vec<_> = (0..2).map(|_| slow_request(a.1, "shared")).collect();
     let began = std::time::Instant::now();
     while inflight(a.1) < 2 {
