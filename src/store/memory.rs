@@ -634,8 +634,9 @@ impl Inner {
     }
 
     fn shard_of(&self, hash: u64) -> usize {
-        // The low bits pick the bucket inside the table; use the high bits for the shard.
-        (hash >> 48) as usize & (self.shards.len() - 1)
+        // The low bits pick the bucket inside the table and the top 7 its tag: the shard takes
+        // bits in between, so that even 65,536 shards leave the tags their entropy.
+        (hash >> 32) as usize & (self.shards.len() - 1)
     }
 
     /// Pause `key` under `rule` for `pause` (at most about 49 days, as the Redis store keeps
@@ -775,7 +776,9 @@ impl Inner {
                 return decision;
             }
         }
-        let (mut decision, place, undo) = shard.decide(op, check, hash, now, self, true);
+        // Only a consume may sweep: a peek writes nothing, evictions included.
+        let may_sweep = op == Op::Consume;
+        let (mut decision, place, undo) = shard.decide(op, check, hash, now, self, may_sweep);
         if op == Op::Consume && decision.allowed {
             decision.taken = Some(shard.commit(check, hash, now, place, &decision, self, true));
         } else {
@@ -2659,6 +2662,47 @@ mod tests {
             !s.apply_now(Op::Consume, &one(&hour, &k, 1))[0].allowed,
             "the hour's 50 are spent"
         );
+    }
+
+    /// A peek of a key the full shard does not hold evicts nothing (an allow-listed key's
+    /// every request peeks each rule): `k`, the least used, kept its count.
+    #[test]
+    fn a_peek_evicts_nothing() {
+        let clock = ManualClock::new(1_735_689_600_000_000);
+        let s = store(&clock, 16);
+        let r = ten_an_hour(Algorithm::FixedWindow);
+        let k = Key::new("k");
+        assert!(s.apply_now(Op::Consume, &one(&r, &k, 1))[0].allowed);
+        for i in 0..15 {
+            let busy = Key::new(format!("busy-{i}"));
+            assert!(s.apply_now(Op::Consume, &one(&r, &busy, 6))[0].allowed);
+        }
+        assert_eq!(s.len(), 16);
+        s.apply_now(Op::Peek, &one(&r, &Key::new("absent"), 1));
+        assert_eq!(s.len(), 16, "a peek evicts nothing");
+        assert_eq!(s.apply_now(Op::Peek, &one(&r, &k, 1))[0].remaining, 9);
+    }
+
+    /// Many shards (up to 65,536) never take the hash's top 7 bits, the table's tags: with
+    /// them, every entry of a shard had the same tag, and a lookup compared keys in every
+    /// full slot of each group it probed.
+    #[test]
+    fn the_shard_leaves_the_tags_their_bits() {
+        let s = MemoryStore::builder()
+            .shards(65_536)
+            .max_keys(1 << 20)
+            .build()
+            .unwrap();
+        let hashes = (0u64..400_000).map(|i| {
+            let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z ^ (z >> 31)
+        });
+        let tags: std::collections::HashSet<u64> = hashes
+            .filter(|&h| s.inner.shard_of(h) == 0)
+            .map(|h| h >> 57)
+            .collect();
+        assert!(tags.len() > 1, "one tag in a shard: {tags:?}");
     }
 
     #[test]
