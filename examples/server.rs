@@ -633,7 +633,8 @@ fn main() -> ExitCode {
         match arg.into_string() {
             Ok(arg) => args.push(arg),
             Err(arg) => {
-                let shown = hide(arg.to_string_lossy().into_owned(), &args);
+                let lossy = arg.to_string_lossy().into_owned();
+                let shown = hide(lossy.clone(), &[&args[..], &[lossy]].concat());
                 eprintln!("error: argument {shown:?} is not valid UTF-8");
                 return ExitCode::from(2);
             }

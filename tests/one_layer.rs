@@ -850,6 +850,23 @@ async fn percent_escapes_never_dodge_a_scopes_literal_text() {
         .route("/items/{id}", get(|| async { "item" }))
         .layer(item);
     admits_once(&app, Method::GET, "/items/x-1", "/items/%78-2").await;
+    // A name holding an escaped `/` under a `{name}` route is one segment, as axum reads it:
+    // the metadata of file `reports/download` is not a download.
+    let downloads = once_a_minute(
+        "downloads",
+        Scope::new().route(Method::GET, "/files/{name}/download"),
+    );
+    let app = Router::new()
+        .route("/files/{name}", get(|| async { "metadata" }))
+        .route("/files/{name}/download", get(|| async { "file" }))
+        .layer(downloads);
+    for _ in 0..3 {
+        assert_eq!(
+            as_account(&app, Method::GET, "/files/reports%2Fdownload").await,
+            StatusCode::OK
+        );
+    }
+    admits_once(&app, Method::GET, "/files/a/download", "/files/b/download").await;
     // A nest's parameter escaped: `/t/%61cme/export` is tenant `acme`'s export.
     let export = once_a_minute("export", Scope::new().route(Method::POST, "/t/acme/export"));
     let app = Router::new().nest(

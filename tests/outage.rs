@@ -318,7 +318,7 @@ async fn paused_redis_at_the_defaults_keeps_the_deadline() {
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     server.resume();
     let resumed = Instant::now();
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    tokio::time::sleep(Duration::from_millis(4_000)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let samples = running.await.unwrap();
     let worst = samples.iter().map(|s| s.took).max().unwrap_or_default();
@@ -340,9 +340,10 @@ async fn paused_redis_at_the_defaults_keeps_the_deadline() {
     let settled = back + Duration::from_millis(500);
     let after: Vec<_> = samples.iter().filter(|s| s.started >= settled).collect();
     assert!(after.len() > 100, "{} decisions to check", after.len());
+    // At least 2 s watched: a stall's cool-down (250 ms) is an eighth of it, two are a quarter.
     let degraded = after.iter().filter(|s| s.decision.degraded).count();
     assert!(
-        degraded * 2 <= after.len(),
+        degraded * 4 <= after.len(),
         "{degraded} of {} decisions degraded after Redis came back",
         after.len()
     );

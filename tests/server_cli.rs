@@ -17,22 +17,22 @@ fn server_binary() -> PathBuf {
         p.exists(),
         "build the example first: cargo build --all-features --examples ({p:?})"
     );
-    // `cargo test` builds the example as a test harness, not this binary: one older than the
-    // sources would test the contract of code that is gone.
+    // `cargo test` builds the example as a test harness, not this binary: one older than its
+    // sources would test the contract of code that is gone. Its sources are what cargo says
+    // it was built from (its dep-info file beside it), so the check agrees with what a build
+    // would redo.
     let built = std::fs::metadata(&p).and_then(|m| m.modified()).unwrap();
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut sources = vec![root.join("examples/server.rs"), root.join("Cargo.toml")];
-    let mut dirs = vec![root.join("src")];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else {
-                sources.push(path);
-            }
-        }
-    }
+    let info = std::fs::read_to_string(p.with_extension("d")).unwrap_or_default();
+    let first = info.lines().next().unwrap_or_default();
+    let deps = first.split_once(": ").map_or("", |(_, deps)| deps);
+    // Paths are separated by spaces; a space inside one is escaped.
+    let sources: Vec<PathBuf> = deps
+        .replace("\\ ", "\u{0}")
+        .split(' ')
+        .filter(|d| !d.is_empty())
+        .map(|d| PathBuf::from(d.replace('\u{0}', " ")))
+        .collect();
+    assert!(!sources.is_empty(), "no dep-info beside {p:?}");
     for source in sources {
         let changed = std::fs::metadata(&source)
             .and_then(|m| m.modified())
@@ -90,7 +90,7 @@ fn listening_port(server: &mut Server) -> u16 {
 
 /// Run the server to its exit. One still running after 30 s (a command line it should have
 /// refused, now serving) is killed and fails the test rather than holding the suite.
-fn run_to_exit(args: &[&str]) -> std::process::Output {
+fn run_to_exit<A: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[A]) -> std::process::Output {
     let mut child = Command::new(server_binary())
         .args(args)
         .stdin(Stdio::null())
@@ -268,16 +268,25 @@ fn invalid_flags_exit_2_with_a_message() {
 #[cfg(unix)]
 #[test]
 fn an_argument_that_is_not_utf8_exits_2_with_a_message() {
+    use std::ffi::OsStr;
     use std::os::unix::ffi::OsStrExt;
-    let out = Command::new(server_binary())
-        .arg("--rules")
-        .arg(std::ffi::OsStr::from_bytes(b"/srv/r\xe8gles.toml"))
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.starts_with("error: "), "{err}");
+    for args in [
+        [
+            OsStr::new("--rules"),
+            OsStr::from_bytes(b"/srv/r\xe8gles.toml"),
+        ],
+        // A password in the argument that is not UTF-8 is hidden too.
+        [
+            OsStr::new("--store"),
+            OsStr::from_bytes(b"redis://:s3cretpw@r\xe8dis:6379"),
+        ],
+    ] {
+        let out = run_to_exit(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("error: "), "{err}");
+        assert!(!err.contains("s3cretpw"), "{err}");
+    }
 }
 
 #[test]

@@ -360,11 +360,14 @@ impl PathMatch {
             PathMatch::Pattern { source, .. } => source.as_str(),
             PathMatch::Invalid { .. } => return false,
         };
-        // The path as routed (escapes decoded within their segments) and as a catch-all
-        // parameter or a file server reads it (see `served`): a scope matching either applies.
+        // The path as routed (escapes decoded within their segments) and, when a catch-all
+        // serves it (a `{*rest}` route, or a service with no route matched: `nest_service`,
+        // `ServeDir`, a plain hyper service), as a catch-all reads it (see `served`). Not for a
+        // `{name}` route: a name holding an escaped `/` is one segment there, and reading it
+        // as two would charge an innocent request to another route's scope.
+        let catch_all = matched_path(parts).is_none_or(|m| m.contains("{*"));
         let as_read = |path: &str, test: &dyn Fn(&str) -> bool| {
-            let served = served(path);
-            test(&decoded(path)) || (matches!(served, Cow::Owned(_)) && test(&served))
+            test(&decoded(path)) || (catch_all && matches!(served(path), Cow::Owned(s) if test(&s)))
         };
         let either = |test: &dyn Fn(&str) -> bool| {
             as_read(raw, test)
@@ -432,9 +435,8 @@ fn decoded(path: &str) -> Cow<'_, str> {
 /// `path` as a catch-all parameter (`{*path}`) or a file server (`ServeDir`) reads it: every
 /// escape decoded, an escaped `/` included, and empty and `.` segments dropped. A scope on
 /// `/files/private/*` must hold for `/files/private%2Fx`, `/files//private/x` and
-/// `/files/./private/x`, which such a service serves as `/files/private/x`. (Matching more than
-/// the router would only limits a client that wrote its own path oddly.) Borrowed when there is
-/// nothing to change.
+/// `/files/./private/x`, which such a service serves as `/files/private/x`. Borrowed when there
+/// is nothing to change.
 fn served(path: &str) -> Cow<'_, str> {
     let odd =
         path.contains('%') || path.contains("//") || path.contains("/./") || path.ends_with("/.");

@@ -271,15 +271,12 @@ impl Verdict {
                     return None;
                 }
                 let unit = scopes[target.rule].settle.as_ref()?.body_unit()?;
-                // Refunded already (refund_if, a refusal inside): nothing left to settle. The
-                // local fallback's admissions have no receipt: only what the body sends past
-                // the reservation is charged.
-                let taken = match decision.taken {
-                    Some(taken) => Some(taken),
-                    None if decision.source == Source::Fallback => None,
-                    None => return None,
-                };
-                Some((target.clone(), taken, unit))
+                // Refunded already (refund_if, a refusal inside): nothing left to settle. (The
+                // local fallback's admissions have no receipt either: they keep their
+                // reservation, since a refund that had nothing to give back leaves no mark
+                // here to tell a refunded request from one to charge.)
+                let taken = decision.taken?;
+                Some((target.clone(), Some(taken), unit))
             })
             .collect();
         (!targets.is_empty()).then(|| BodySettle {

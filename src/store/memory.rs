@@ -801,9 +801,11 @@ impl Inner {
             shard.latest = now;
         }
         // Make room once, before anything is decided: a sweep between deciding one check and
-        // committing another could evict the state a decision was made on.
+        // committing another could evict the state a decision was made on. Only for a consume:
+        // a peek writes nothing, evictions included.
         for shard in guards.iter_mut() {
-            if shard.table.len() >= self.shard_capacity && now >= shard.full_until {
+            let full = shard.table.len() >= self.shard_capacity && now >= shard.full_until;
+            if op == Op::Consume && full {
                 shard.sweep(now, self.shard_capacity);
             }
         }
@@ -998,6 +1000,9 @@ impl Shard {
             Place::Overflow => match store.overflow {
                 Overflow::Shared if op == Op::Consume => &mut self.overflow_state(check).1,
                 Overflow::Shared => &mut fresh,
+                // A peek does not sweep, so it cannot know whether a consume's sweep would
+                // make room: it reads the key as new, as a consume finding room would.
+                Overflow::Refuse { .. } if op != Op::Consume => &mut fresh,
                 Overflow::Refuse { retry_after } => {
                     let limit = quota.capacity();
                     let d = Decision::deny(limit, 0, retry_after, Some(retry_after));
@@ -2680,7 +2685,34 @@ mod tests {
         assert_eq!(s.len(), 16);
         s.apply_now(Op::Peek, &one(&r, &Key::new("absent"), 1));
         assert_eq!(s.len(), 16, "a peek evicts nothing");
+        // Nor a peek of two rules at once (per account AND per address: one batch).
+        let other = Rule::new("other", Quota::per_hour(10).build().unwrap()).unwrap();
+        let absent = Key::new("absent");
+        let both = [
+            Check {
+                rule: &r,
+                key: &absent,
+                cost: 1,
+            },
+            Check {
+                rule: &other,
+                key: &absent,
+                cost: 1,
+            },
+        ];
+        s.apply_now(Op::Peek, &both);
+        assert_eq!(s.len(), 16, "a batch's peek evicts nothing");
         assert_eq!(s.apply_now(Op::Peek, &one(&r, &k, 1))[0].remaining, 9);
+        // With `Overflow::Refuse`, a peek of a new key reads it as new (a consume's sweep
+        // would make room), not refused.
+        let refusing = one_shard(&clock, 16, true);
+        for i in 0..16 {
+            let busy = Key::new(format!("busy-{i}"));
+            assert!(refusing.apply_now(Op::Consume, &one(&r, &busy, 1))[0].allowed);
+        }
+        let peeked = refusing.apply_now(Op::Peek, &one(&r, &absent, 1))[0];
+        assert_eq!((peeked.allowed, peeked.remaining), (true, 10), "{peeked:?}");
+        assert!(refusing.apply_now(Op::Consume, &one(&r, &absent, 1))[0].allowed);
     }
 
     /// Many shards (up to 65,536) never take the hash's top 7 bits, the table's tags: with
