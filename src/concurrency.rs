@@ -975,12 +975,11 @@ mod tests {
             .clock(TokioClock::new())
             .build()
             .unwrap();
-        let link = crate::store::testing::Link {
-            store: store.clone(),
-            delay: Duration::ZERO,
-            reply_after: Duration::from_secs(10),
-            lost_renewals: 0.into(),
-        };
+        let link = crate::store::testing::Link::new(
+            store.clone(),
+            Duration::ZERO,
+            Duration::from_secs(10),
+        );
         let limiter = ConcurrencyLimiter::builder(link, "in-flight", 100)
             .on_store_error(OnStoreError::fail_closed())
             .build()
@@ -1011,12 +1010,11 @@ mod tests {
             .build()
             .unwrap();
         let ttl = Duration::from_millis(300);
-        let link = crate::store::testing::Link {
-            store: store.clone(),
-            delay: Duration::ZERO,
-            reply_after: Duration::from_millis(250),
-            lost_renewals: 0.into(),
-        };
+        let link = crate::store::testing::Link::new(
+            store.clone(),
+            Duration::ZERO,
+            Duration::from_millis(250),
+        );
         let limiter = ConcurrencyLimiter::builder(link, "in-flight", 1)
             .ttl(ttl)
             .deadline(Duration::from_secs(2))

@@ -437,12 +437,7 @@ mod tests {
             .clock(TokioClock::new())
             .build()
             .unwrap();
-        let link = Link {
-            store,
-            delay: Duration::ZERO,
-            reply_after: Duration::from_secs(10),
-            lost_renewals: 0.into(),
-        };
+        let link = Link::new(store, Duration::ZERO, Duration::from_secs(10));
         let quota = Quota::per_second(10)
             .algorithm(Algorithm::Gcra)
             .build()

@@ -75,39 +75,13 @@ async fn on_tonic_server_too() {
 #[tokio::test]
 async fn a_failed_grpc_call_is_judged_by_its_grpc_status() {
     use axum::routing::post;
-    use fleetlimit::layer::Scope;
-    use fleetlimit::{Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
-
-    const LOGIN: &str = "/demo.Auth/Login";
-    let limiter = Limiter::builder(MemoryStore::new())
-        .rule(Rule::new("logins", Quota::per_minute(2).build().unwrap()).unwrap())
-        .build()
-        .unwrap();
-    let layer = RateLimitLayer::builder(limiter)
-        .scope("logins", Scope::new().refund_if(|s| s.is_success()))
-        .build()
-        .unwrap();
-    let app = axum::Router::new()
-        .route(
-            LOGIN,
-            post(|| async {
-                // What tonic answers for a handler's `Err(Status)`: trailers only.
-                http::Response::builder()
-                    .header("content-type", "application/grpc")
-                    .header("grpc-status", "16")
-                    .header("grpc-message", "wrong password")
-                    .body(axum::body::Body::empty())
-                    .unwrap()
-            }),
-        )
-        .route(
-            grpc::METHOD,
-            post(|req: http::Request<axum::body::Body>| async move {
-                let mut echo = tonic::server::Grpc::new(grpc::RawCodec);
-                echo.unary(EchoOk, req).await
-            }),
-        )
-        .layer(layer);
+    let app = failing_logins(axum::Router::new().route(
+        grpc::METHOD,
+        post(|req: http::Request<axum::body::Body>| async move {
+            let mut echo = tonic::server::Grpc::new(grpc::RawCodec);
+            echo.unary(EchoOk, req).await
+        }),
+    ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(grpc::serve(listener, app));
@@ -145,33 +119,10 @@ async fn a_failed_grpc_call_is_judged_by_its_grpc_status() {
 /// Judged by the request, it read as HTTP 200 and was refunded: guessing without limit.
 #[tokio::test]
 async fn a_grpc_failure_is_judged_by_the_answer_whatever_the_request_said() {
-    use axum::routing::post;
-    use fleetlimit::layer::Scope;
-    use fleetlimit::{Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
     use tower::ServiceExt;
 
-    const LOGIN: &str = "/demo.Auth/Login";
     for content_type in [Some("application/octet-stream"), None] {
-        let limiter = Limiter::builder(MemoryStore::new())
-            .rule(Rule::new("logins", Quota::per_minute(2).build().unwrap()).unwrap())
-            .build()
-            .unwrap();
-        let layer = RateLimitLayer::builder(limiter)
-            .scope("logins", Scope::new().refund_if(|s| s.is_success()))
-            .build()
-            .unwrap();
-        let app = axum::Router::new()
-            .route(
-                LOGIN,
-                post(|| async {
-                    http::Response::builder()
-                        .header("content-type", "application/grpc")
-                        .header("grpc-status", "16")
-                        .body(axum::body::Body::empty())
-                        .unwrap()
-                }),
-            )
-            .layer(layer);
+        let app = failing_logins(axum::Router::new());
         let mut statuses = Vec::new();
         for _ in 0..3 {
             let mut req = http::Request::post(LOGIN);
@@ -189,6 +140,38 @@ async fn a_grpc_failure_is_judged_by_the_answer_whatever_the_request_said() {
         }
         assert_eq!(statuses, [200, 200, 429], "{content_type:?}");
     }
+}
+
+const LOGIN: &str = "/demo.Auth/Login";
+
+/// A login method that always fails as tonic answers a handler's `Err(Status)` (trailers only,
+/// `UNAUTHENTICATED`), with a rule of 2 a minute that counts failures only (`refund_if`
+/// success), over `others` too.
+fn failing_logins(others: axum::Router) -> axum::Router {
+    use fleetlimit::layer::Scope;
+    use fleetlimit::{Limiter, MemoryStore, Quota, RateLimitLayer, Rule};
+    let limiter = Limiter::builder(MemoryStore::new())
+        .rule(Rule::new("logins", Quota::per_minute(2).build().unwrap()).unwrap())
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(limiter)
+        .scope("logins", Scope::new().refund_if(|s| s.is_success()))
+        .build()
+        .unwrap();
+    axum::Router::new()
+        .route(
+            LOGIN,
+            axum::routing::post(|| async {
+                http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", "16")
+                    .header("grpc-message", "wrong password")
+                    .body(axum::body::Body::empty())
+                    .unwrap()
+            }),
+        )
+        .merge(others)
+        .layer(layer)
 }
 
 /// Answers every call with its request: a success.

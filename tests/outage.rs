@@ -577,7 +577,36 @@ async fn a_hung_masters_slots_share_one_breaker() {
         .unwrap();
     assert!(!warm.consume(&keys[0], 1).await.unwrap().degraded);
     cluster.nodes()[hung].pause();
-    let (mut decisions, mut slow) = (0, 0);
+    let counted = decisions_once_the_breaker_opens(&limiter, &keys).await;
+    cluster.nodes()[hung].resume();
+    counted.assert_few_waited();
+}
+
+/// Decisions counted after a breaker had half a second to open.
+struct Counted {
+    decisions: u32,
+    /// Those that waited 40 ms or more: most of the default deadline.
+    slow: u32,
+}
+
+impl Counted {
+    /// Fewer than 1 in 20 decisions waited out the deadline, of more than 100.
+    fn assert_few_waited(&self) {
+        let Counted { decisions, slow } = self;
+        assert!(*decisions > 100, "{decisions} decisions counted");
+        assert!(
+            slow * 20 < *decisions,
+            "{slow} of {decisions} decisions waited out the deadline"
+        );
+    }
+}
+
+/// Consume `keys` in turn for 1.5 s, failing open: the decisions after the first half second.
+async fn decisions_once_the_breaker_opens(limiter: &Limiter, keys: &[Key]) -> Counted {
+    let mut counted = Counted {
+        decisions: 0,
+        slow: 0,
+    };
     let started = Instant::now();
     for k in keys.iter().cycle() {
         let elapsed = started.elapsed();
@@ -586,19 +615,13 @@ async fn a_hung_masters_slots_share_one_breaker() {
         }
         let asked = Instant::now();
         let d = limiter.consume(k, 1).await.unwrap();
-        assert!(d.allowed, "fail open");
-        // The first half second lets the breaker open; then count.
+        assert!(d.allowed, "fail open: {d:?}");
         if elapsed > Duration::from_millis(500) {
-            decisions += 1;
-            slow += u32::from(asked.elapsed() >= Duration::from_millis(40));
+            counted.decisions += 1;
+            counted.slow += u32::from(asked.elapsed() >= Duration::from_millis(40));
         }
     }
-    cluster.nodes()[hung].resume();
-    assert!(decisions > 100, "{decisions} decisions counted");
-    assert!(
-        slow * 20 < decisions,
-        "{slow} of {decisions} decisions waited out the deadline"
-    );
+    counted
 }
 
 /// A cluster unreachable from the store's start (every node hung): no slot map is known, and
@@ -623,30 +646,11 @@ async fn a_cluster_hung_from_the_start_opens_one_breaker() {
         .filter(|k| slots.insert(fleetlimit::store::redis::slot(&store.key_for(&r, k))))
         .take(300)
         .collect();
-    let (mut decisions, mut slow) = (0, 0);
-    let started = Instant::now();
-    for k in keys.iter().cycle() {
-        let elapsed = started.elapsed();
-        if elapsed > Duration::from_millis(1_500) {
-            break;
-        }
-        let asked = Instant::now();
-        let d = limiter.consume(k, 1).await.unwrap();
-        assert!(d.allowed && d.degraded, "fail open: {d:?}");
-        // The first half second lets the breaker open; then count.
-        if elapsed > Duration::from_millis(500) {
-            decisions += 1;
-            slow += u32::from(asked.elapsed() >= Duration::from_millis(40));
-        }
-    }
+    let counted = decisions_once_the_breaker_opens(&limiter, &keys).await;
     for node in cluster.nodes() {
         node.resume();
     }
-    assert!(decisions > 100, "{decisions} decisions counted");
-    assert!(
-        slow * 20 < decisions,
-        "{slow} of {decisions} decisions waited out the deadline"
-    );
+    counted.assert_few_waited();
 }
 
 /// A cluster whose masters have not loaded the script (a deploy with new Lua, a restart, a

@@ -414,22 +414,28 @@ fn decoded(path: &str) -> Cow<'_, str> {
     if !path.contains('%') {
         return Cow::Borrowed(path);
     }
+    Cow::Owned(unescaped(path, |b| b != b'/' && b != b'%'))
+}
+
+/// `path` with the escapes of the bytes `decode` accepts decoded (the others, and invalid
+/// escapes, kept as they are); bytes that are not UTF-8 replaced.
+fn unescaped(path: &str, decode: impl Fn(u8) -> bool) -> String {
     let bytes = path.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        match escape_at(bytes, i) {
-            Some(b) if b != b'/' && b != b'%' => {
+        match escape_at(bytes, i).filter(|&b| decode(b)) {
+            Some(b) => {
                 out.push(b);
                 i += 3;
             }
-            _ => {
+            None => {
                 out.push(bytes[i]);
                 i += 1;
             }
         }
     }
-    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `path` as a catch-all parameter (`{*path}`) or a file server (`ServeDir`) reads it: every
@@ -443,22 +449,7 @@ fn served(path: &str) -> Cow<'_, str> {
     if !odd {
         return Cow::Borrowed(path);
     }
-    let bytes = path.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match escape_at(bytes, i) {
-            Some(b) => {
-                out.push(b);
-                i += 3;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    let text = String::from_utf8_lossy(&out);
+    let text = unescaped(path, |_| true);
     let mut normal = String::with_capacity(text.len());
     for segment in text.split('/').filter(|s| !s.is_empty() && *s != ".") {
         normal.push('/');

@@ -688,12 +688,7 @@ mod tests {
             .clock(TokioClock::new())
             .build()
             .unwrap();
-        let link = Link {
-            store,
-            delay: Duration::from_millis(5),
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
+        let link = Link::new(store, Duration::from_millis(5), Duration::ZERO);
         let limiter = Limiter::builder(link)
             .rule(Rule::new("tokens", Quota::per_hour(100).build().unwrap()).unwrap())
             .on_store_error(OnStoreError::fail_closed())
@@ -737,12 +732,7 @@ mod tests {
             .clock(TokioClock::new())
             .build()
             .unwrap();
-        let hung = Link {
-            store,
-            delay: Duration::from_secs(10),
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
+        let hung = Link::new(store, Duration::from_secs(10), Duration::ZERO);
         let quota = Quota::per_hour(100)
             .algorithm(Algorithm::FixedWindow)
             .build()
@@ -775,12 +765,7 @@ mod tests {
         use std::time::Duration;
         let clock = ManualClock::new(1_900_000_000_000_000);
         let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let link = crate::store::testing::Link {
-            store: store.clone(),
-            delay: Duration::ZERO,
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
+        let link = crate::store::testing::Link::new(store.clone(), Duration::ZERO, Duration::ZERO);
         let quota = Quota::per_second(100)
             .algorithm(Algorithm::TokenBucket)
             .build()

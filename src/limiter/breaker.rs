@@ -380,12 +380,7 @@ mod tests {
     fn unanswered() -> crate::Limiter {
         use crate::store::testing::{Link, TokioClock};
         use crate::{Limiter, MemoryStore, OnStoreError, Quota, Rule};
-        let link = Link {
-            store: MemoryStore::new(),
-            delay: Duration::from_secs(1),
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
+        let link = Link::new(MemoryStore::new(), Duration::from_secs(1), Duration::ZERO);
         Limiter::builder(link)
             .rule(Rule::new("r", Quota::per_second(10).build().unwrap()).unwrap())
             .on_store_error(OnStoreError::FailOpen)

@@ -474,12 +474,11 @@ mod tests {
         use crate::store::testing::Link;
         use crate::{Limiter, ManualClock, MemoryStore, Quota, Rule};
         let clock = ManualClock::new(1_900_000_000_000_000);
-        let store = Link {
-            store: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
-            delay: Duration::ZERO,
-            reply_after: Duration::from_millis(50),
-            lost_renewals: Default::default(),
-        };
+        let store = Link::new(
+            MemoryStore::builder().clock(clock.clone()).build().unwrap(),
+            Duration::ZERO,
+            Duration::from_millis(50),
+        );
         let rule = Rule::new("r", Quota::per_minute(1).build().unwrap()).unwrap();
         let limiter = Limiter::builder(store)
             .rule(rule)

@@ -872,12 +872,11 @@ mod tests {
     fn leasing_two_ms_away() -> (Limiter, Limiter, ManualClock) {
         let clock = ManualClock::new(T0);
         let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let link = crate::store::testing::Link {
-            store: store.clone(),
-            delay: Duration::from_millis(2),
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
+        let link = crate::store::testing::Link::new(
+            store.clone(),
+            Duration::from_millis(2),
+            Duration::ZERO,
+        );
         let leased = Limiter::builder(link)
             .rule(hot_rule())
             .on_store_error(OnStoreError::fail_closed())
@@ -1261,12 +1260,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn requests_queued_behind_refills_are_decided_by_the_store() {
         let clock = ManualClock::new(T0);
-        let store = crate::store::testing::Link {
-            store: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
-            delay: Duration::from_millis(2),
-            reply_after: Duration::ZERO,
-            lost_renewals: Default::default(),
-        };
+        let store = crate::store::testing::Link::new(
+            MemoryStore::builder().clock(clock.clone()).build().unwrap(),
+            Duration::from_millis(2),
+            Duration::ZERO,
+        );
         let rule = hot_rule();
         let leased = Limiter::builder(store)
             .rule(rule)

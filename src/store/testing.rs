@@ -34,6 +34,17 @@ pub(crate) struct Link {
 }
 
 impl Link {
+    /// `store` behind a link of `delay` per call, answering `reply_after` late, losing no
+    /// renewal.
+    pub(crate) fn new(store: MemoryStore, delay: Duration, reply_after: Duration) -> Link {
+        Link {
+            store,
+            delay,
+            reply_after,
+            lost_renewals: AtomicU32::new(0),
+        }
+    }
+
     async fn crossed(&self) {
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
