@@ -965,6 +965,30 @@ mod tests {
         (limiter, store)
     }
 
+    /// A breaker that never opens (no failure opens it) or never cools down is a configuration
+    /// error, as the rate limiter's is: it would silently let every call through.
+    #[test]
+    fn an_invalid_breaker_is_refused_when_built() {
+        for config in [
+            BreakerConfig {
+                failures: 0,
+                cool_down: Duration::from_millis(250),
+            },
+            BreakerConfig {
+                failures: 3,
+                cool_down: Duration::ZERO,
+            },
+        ] {
+            let built = ConcurrencyLimiter::builder(MemoryStore::new(), "in-flight", 1)
+                .breaker(config)
+                .build();
+            assert!(
+                matches!(built, Err(ConfigError::Invalid { .. })),
+                "{config:?}"
+            );
+        }
+    }
+
     /// A store that takes the slot but never answers in time, at the default deadline and
     /// breaker: three acquisitions wait out the deadline, then the breaker opens and the next
     /// ones follow the policy at once, until its cool-down lets one probe through. Each used to
