@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example memory_footprint [-- --keys 1000000 --algorithm sliding-window --sub-windows 20 --key-bytes 13]
+//! cargo run --release --example memory_footprint -- --blocks true   # listings: N keys blocked
 //! ```
 
 use std::time::Duration;
@@ -29,6 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut algorithm = Algorithm::SlidingWindow;
     let mut sub_windows = None;
     let mut key_bytes: usize = 13;
+    let mut blocks = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
@@ -39,6 +41,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // The key's length: `user-00000001` is 13; past 37 bytes a key is held in an
             // allocation of its own, past 128 hashed to 32 bytes.
             "--key-bytes" => key_bytes = value.parse()?,
+            // Listings instead of states: each key blocked for an hour (as the penalty box or an
+            // operator blocks it), held in the store's listings table.
+            "--blocks" => blocks = value.parse()?,
             other => return Err(format!("unknown argument {other:?}").into()),
         }
     }
@@ -48,6 +53,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let rule = Rule::new("api", quota.build()?)?;
     let store = MemoryStore::builder().max_keys(keys + keys / 4).build()?;
+    if blocks {
+        let limiter = fleetlimit::Limiter::builder(store.clone())
+            .rule(rule)
+            .build()?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?;
+        let before = rss().ok_or("no /proc/self/status")?;
+        for i in 0..keys {
+            let key = Key::new(format!("user-{i:0>width$}", width = key_bytes.max(13) - 5));
+            runtime.block_on(limiter.block(&key, Duration::from_secs(3600)))?;
+        }
+        let after = rss().ok_or("no /proc/self/status")?;
+        println!(
+            "blocks: {keys} keys blocked, {:.0} MB resident, {:.0} bytes per block",
+            (after - before) as f64 / 1e6,
+            (after - before) as f64 / keys as f64
+        );
+        return Ok(());
+    }
     let before = rss().ok_or("no /proc/self/status")?;
     for i in 0..keys {
         // Short keys by default, as an API key prefix or an account id would be.

@@ -365,9 +365,9 @@ impl PathMatch {
         // `ServeDir`, a plain hyper service), as a catch-all reads it (see `served`). Not for a
         // `{name}` route: a name holding an escaped `/` is one segment there, and reading it
         // as two would charge an innocent request to another route's scope.
-        let catch_all = matched_path(parts).is_none_or(|m| m.contains("{*"));
+        let catch_all = || matched_path(parts).is_none_or(|m| m.contains("{*"));
         let as_read = |path: &str, test: &dyn Fn(&str) -> bool| {
-            test(&decoded(path)) || (catch_all && matches!(served(path), Cow::Owned(s) if test(&s)))
+            test(&decoded(path)) || matches!(served(path), Cow::Owned(s) if catch_all() && test(&s))
         };
         let either = |test: &dyn Fn(&str) -> bool| {
             as_read(raw, test)

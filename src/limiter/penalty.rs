@@ -264,6 +264,26 @@ mod tests {
 
     const S: u64 = 1_000_000;
 
+    /// A box of 100 records that blocks for 60 s a key refused `denials` times within
+    /// `within_secs` (the limiter's deadline 50 ms).
+    fn boxed(denials: u32, within_secs: u64) -> Penalties {
+        let penalty = Penalty::new(
+            denials,
+            Duration::from_secs(within_secs),
+            Duration::from_secs(60),
+        );
+        Penalties::new(penalty, 100, Duration::from_millis(50))
+    }
+
+    /// 1,000 keys refused once each, one a microsecond from `from`: none blocked, and the box
+    /// kept within its bound.
+    fn spray(p: &Penalties, from: u64) {
+        for i in 0..1000u64 {
+            assert_eq!(p.denied(&Key::new(i.to_be_bytes()), from + i), None);
+        }
+        assert!(p.records.lock().len() <= 100);
+    }
+
     #[test]
     fn blocks_double_up_to_the_max_and_are_forgiven() {
         let p = Penalties::new(
@@ -340,11 +360,7 @@ mod tests {
     /// ends of the windows' weighting) is as the docs say: never more than twice the denials.
     #[test]
     fn refusals_either_side_of_a_windows_end_add_up() {
-        let p = Penalties::new(
-            Penalty::new(20, Duration::from_secs(60), Duration::from_secs(60)),
-            100,
-            Duration::from_millis(50),
-        );
+        let p = boxed(20, 60);
         let k = Key::new("k");
         assert_eq!(p.denied(&k, 0), None);
         for _ in 0..18 {
@@ -375,11 +391,7 @@ mod tests {
     /// "long ago", and the run was forgiven: the first length again).
     #[test]
     fn a_block_not_set_keeps_the_offenders_run() {
-        let p = Penalties::new(
-            Penalty::new(1, Duration::from_secs(10), Duration::from_secs(60)),
-            100,
-            Duration::from_millis(50),
-        );
+        let p = boxed(1, 10);
         let k = Key::new("k");
         let t0 = 1_900_000_000 * S;
         assert_eq!(p.denied(&k, t0), Some(Duration::from_secs(60)));
@@ -392,22 +404,12 @@ mod tests {
     /// the spray's window and after it), and a blocked key keeps its escalation.
     #[test]
     fn a_spray_of_keys_never_switches_the_box_off() {
-        let p = Penalties::new(
-            Penalty::new(3, Duration::from_secs(10), Duration::from_secs(60)),
-            100,
-            Duration::from_millis(50),
-        );
+        let p = boxed(3, 10);
         let repeat = Key::new("repeat");
         for t in [0, 1, 2] {
             p.denied(&repeat, t);
         }
-        for i in 0..1000u32 {
-            assert_eq!(
-                p.denied(&Key::new(i.to_be_bytes()), 10 + u64::from(i)),
-                None
-            );
-        }
-        assert!(p.records.lock().len() <= 100);
+        spray(&p, 10);
         let offender = Key::new("offender");
         let now = 2000;
         assert_eq!(p.denied(&offender, now), None);
@@ -435,18 +437,11 @@ mod tests {
     /// blocks (forgetting the oldest windows first forgot the offender at the first spill).
     #[test]
     fn a_spray_never_forgets_the_key_nearest_its_block() {
-        let p = Penalties::new(
-            Penalty::new(3, Duration::from_secs(60), Duration::from_secs(60)),
-            100,
-            Duration::from_millis(50),
-        );
+        let p = boxed(3, 60);
         let offender = Key::new("offender");
         assert_eq!(p.denied(&offender, 0), None);
         assert_eq!(p.denied(&offender, 1), None);
-        for i in 0..1000u64 {
-            assert_eq!(p.denied(&Key::new(i.to_be_bytes()), 2 + i), None);
-        }
-        assert!(p.records.lock().len() <= 100);
+        spray(&p, 2);
         assert_eq!(p.denied(&offender, 2000), Some(Duration::from_secs(60)));
     }
 
@@ -455,20 +450,13 @@ mod tests {
     /// and went first as the oldest of them (ranked by the current window alone).
     #[test]
     fn a_spray_never_forgets_the_key_nearest_its_block_across_its_windows_end() {
-        let p = Penalties::new(
-            Penalty::new(3, Duration::from_secs(60), Duration::from_secs(60)),
-            100,
-            Duration::from_millis(50),
-        );
+        let p = boxed(3, 60);
         let offender = Key::new("offender");
         assert_eq!(p.denied(&offender, 0), None);
         assert_eq!(p.denied(&offender, 1), None);
         // 1 + 2 × (60 s − 1 µs) / 60 s, rounded down: 2 of 3.
         assert_eq!(p.denied(&offender, 60 * S + 1), None);
-        for i in 0..1000u64 {
-            assert_eq!(p.denied(&Key::new(i.to_be_bytes()), 60 * S + 2 + i), None);
-        }
-        assert!(p.records.lock().len() <= 100);
+        spray(&p, 60 * S + 2);
         assert_eq!(
             p.denied(&offender, 60 * S + 2000),
             Some(Duration::from_secs(60))
@@ -481,11 +469,7 @@ mod tests {
     /// earns the next block of its run (before, nothing counted until the old block's end).
     #[test]
     fn a_key_refused_by_quota_during_its_block_is_counted_again() {
-        let p = Penalties::new(
-            Penalty::new(3, Duration::from_secs(10), Duration::from_secs(60)),
-            100,
-            Duration::from_millis(50),
-        );
+        let p = boxed(3, 10);
         let k = Key::new("k");
         let t0 = 1_000 * S;
         p.denied(&k, t0);
